@@ -1,0 +1,64 @@
+"""`swarmloco peer`: run one peer (solo, or in a swarm) from flags, a TOML file and SWARMLOCO_* env vars."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from peer import config as config_mod
+from peer.checkpoint import CheckpointError
+from peer.data import ShardSpec
+from peer.replica import Replica
+from peer.signals import StopFlag
+from peer.task import TaskContext, load_task
+
+logger = logging.getLogger(__name__)
+
+
+def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
+    config_mod.add_arguments(parser)
+
+
+def build_replica(cfg: dict[str, Any]) -> Replica:
+    run, train = cfg["run"], cfg["train"]
+    ctx = TaskContext(
+        shard=ShardSpec(index=run.shard_index, count=run.num_shards),
+        seed=cfg["runtime"].seed,
+        preset=run.preset,
+        batch_size=train.batch_size or None,
+    )
+    task = load_task(run.task, ctx)
+    return Replica(task, train, cfg["outer"], cfg["runtime"])
+
+
+def write_summary(path: str | None, summary: dict[str, Any]) -> None:
+    if not path:
+        return
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_text(json.dumps(summary, indent=2, sort_keys=True))
+    tmp.replace(target)
+
+
+def run_peer(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_mod.build_config(args)
+        run = cfg["run"]
+        replica = build_replica(cfg)
+        stop = StopFlag().install()
+        if run.solo:
+            from peer.solo import run_solo
+
+            summary = run_solo(replica, cfg, stop=stop)
+        else:
+            from peer.swarm_runner import run_swarm_peer
+
+            summary = run_swarm_peer(replica, cfg, stop=stop)
+        write_summary(run.summary_json, summary)
+        return 0
+    except (config_mod.ConfigError, CheckpointError, FileNotFoundError) as exc:
+        logger.error("%s", exc)
+        return 2

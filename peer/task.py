@@ -1,0 +1,145 @@
+"""What a peer trains: the `Task` interface, the default byte-level GPT task, and `module:factory` plug-ins.
+
+A task bundles a model factory, a deterministic train-batch iterator, a loss and an eval function. Anything that
+fits this shape can be trained by the swarm; see README "Bring your own model".
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from peer import data as corpus
+from peer.model import GPT, PRESETS
+
+logger = logging.getLogger(__name__)
+
+Batch = tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskContext:
+    """What the peer tells a task factory about itself."""
+
+    shard: corpus.ShardSpec = field(default_factory=corpus.ShardSpec)
+    seed: int = 0
+    preset: str = "tiny"
+    batch_size: int | None = None
+
+
+@dataclass(kw_only=True)
+class Task:
+    """A trainable job.
+
+    `train_batches(start_step)` must yield the same batches for the same start step (exact resume relies on it);
+    `loss_fn(model, batch)` returns a scalar; `evaluate(model)` returns the held-out loss; `config` describes the
+    model and feeds its fingerprint, which peers compare before averaging.
+    """
+
+    name: str
+    model_factory: Callable[[], nn.Module]
+    train_batches: Callable[[int], Iterator[Batch]]
+    loss_fn: Callable[[nn.Module, Batch], torch.Tensor]
+    evaluate: Callable[[nn.Module], float]
+    config: Mapping[str, Any]
+
+    @staticmethod
+    def tokens_in(batch: Batch) -> int:
+        return int(batch[0].numel())
+
+
+def lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    inputs, targets = batch
+    logits = model(inputs)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+@torch.no_grad()
+def mean_loss(model: nn.Module, batches: list[Batch], loss_fn: Callable[[nn.Module, Batch], torch.Tensor]) -> float:
+    """Average loss over fixed batches, on the model's device, in eval mode."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        total = 0.0
+        for batch in batches:
+            moved = tuple(t.to(device) for t in batch)
+            with autocast_for(device):
+                total += float(loss_fn(model, moved))
+        return total / max(len(batches), 1)
+    finally:
+        model.train(was_training)
+
+
+def autocast_for(device: torch.device) -> torch.autocast:
+    """bf16 autocast on CUDA; a disabled context elsewhere (CPU runs in fp32 for exactness)."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+DEFAULT_BATCH = {"tiny": 16, "small": 16, "base": 8}
+
+
+def default_task(ctx: TaskContext) -> Task:
+    """Byte-level GPT on the Python standard library (DESIGN §6)."""
+    if ctx.preset not in PRESETS:
+        raise ValueError(f"preset: got {ctx.preset!r}, allowed {', '.join(PRESETS)}")
+    cfg = PRESETS[ctx.preset]
+    batch_size = ctx.batch_size or DEFAULT_BATCH[ctx.preset]
+    root = corpus.stdlib_root()
+    train_files, eval_files = corpus.split_files(corpus.list_source_files(root), ctx.shard)
+    train_data = corpus.load_bytes(root, train_files)
+    eval_data = corpus.load_bytes(root, eval_files, max_bytes=4 << 20)
+    fixed_eval = corpus.eval_batches(eval_data, n_batches=8, batch_size=16, seq_len=cfg.context)
+    logger.info(
+        "default task: preset %s, shard %d/%d: %d train files (%.1f MB), %d eval files",
+        ctx.preset, ctx.shard.index, ctx.shard.count, len(train_files), train_data.numel() / 1e6, len(eval_files),
+    )
+
+    def train_batches(start_step: int) -> Iterator[Batch]:
+        step = start_step
+        while True:
+            yield corpus.sample_batch(
+                train_data, batch_size=batch_size, seq_len=cfg.context, seed=ctx.seed, shard_index=ctx.shard.index, step=step
+            )
+            step += 1
+
+    def model_factory() -> nn.Module:
+        torch.manual_seed(ctx.seed)  # identical initial θ on every peer
+        return GPT(cfg)
+
+    return Task(
+        name=f"stdlib-gpt-{ctx.preset}",
+        model_factory=model_factory,
+        train_batches=train_batches,
+        loss_fn=lm_loss,
+        evaluate=lambda model: mean_loss(model, fixed_eval, lm_loss),
+        config={"task": "stdlib-gpt", **cfg.to_dict(), "batch_size": batch_size},
+    )
+
+
+def load_task(spec: str | None, ctx: TaskContext) -> Task:
+    """`None` → the default task; `"package.module:factory"` → factory(ctx), which must return a Task."""
+    if spec is None:
+        return default_task(ctx)
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"task: got {spec!r}, allowed 'package.module:factory'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"task: cannot import module {module_name!r} ({exc}); is it on PYTHONPATH?") from exc
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ValueError(f"task: {module_name!r} has no callable {attr!r}")
+    task = factory(ctx)
+    if not isinstance(task, Task):
+        raise ValueError(f"task: {spec} returned {type(task).__name__}, expected peer.task.Task")
+    return task
