@@ -1,0 +1,1 @@
+"""swarmloco coordinator: records runs, peers, rounds and metrics; serves the API, dashboard and /metrics."""

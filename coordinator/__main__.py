@@ -1,0 +1,18 @@
+"""``python -m coordinator``: run the coordinator as a process (argv documented in :mod:`coordinator.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from coordinator.cli import add_coordinator_arguments, run_coordinator
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m coordinator", description="swarmloco coordinator")
+    add_coordinator_arguments(parser)
+    return run_coordinator(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

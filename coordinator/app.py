@@ -1,0 +1,117 @@
+"""HTTP layer of the coordinator: FastAPI routes over :class:`CoordinatorService`.
+
+JSON API under ``/api`` (OpenAPI schema at ``/openapi.json``, docs at ``/docs``), ``/healthz``, Prometheus text at
+``/metrics`` and the dashboard (static files) at ``/``. Bad input gets a 4xx with an ``error`` message; an unexpected
+server-side failure answers 503 (retryable) rather than 500.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from starlette.concurrency import run_in_threadpool
+
+from coordinator.service import CoordinatorService
+
+__all__ = ["create_app"]
+
+logger = logging.getLogger(__name__)
+
+STATIC_DIR = Path(__file__).parent / "static"
+
+RunId = Annotated[str | None, Query(max_length=64, description="Only this run")]
+PeerId = Annotated[str | None, Query(max_length=128, description="Only this peer (base58 peer id)")]
+Limit = Annotated[int, Query(ge=1, le=1000, description="Page size")]
+Cursor = Annotated[int | None, Query(ge=0, description="`next_cursor` of the previous page")]
+Order = Annotated[Literal["asc", "desc"], Query(description="Order by id")]
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": message})
+
+
+async def _read_capped(request: Request, cap: int) -> bytes | None:
+    """Read the request body, giving up (None) as soon as it exceeds ``cap`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > cap:
+        return None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > cap:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def create_app(service: CoordinatorService) -> FastAPI:
+    """Build the ASGI app; ``service`` owns the store and policies."""
+    app = FastAPI(title="swarmloco coordinator", version="1", summary="Records swarm runs, peers, rounds, metrics.")
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        parts = [f"{'.'.join(str(x) for x in e.get('loc', ()))}: {e.get('msg', '')}" for e in exc.errors()[:5]]
+        return _error(422, "invalid request: " + "; ".join(parts))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error while serving a request")
+        return _error(503, f"coordinator error ({type(exc).__name__}); retry later")
+
+    @app.post("/api/reports", summary="Submit one signed report (see protocol/reports.py for the schema)",
+              responses={400: {}, 401: {}, 409: {}, 413: {}, 422: {}, 429: {}})
+    async def post_report(request: Request) -> JSONResponse:
+        raw = await _read_capped(request, service.config.max_report_bytes)
+        if raw is None:
+            return _error(413, f"report larger than {service.config.max_report_bytes} bytes")
+        client = request.client.host if request.client else "?"
+        # SQLite fsync must not stall the event loop
+        answer = await run_in_threadpool(service.ingest, raw, client=client)
+        return JSONResponse(status_code=answer.status, content=answer.body)
+
+    @app.get("/api/runs", summary="Runs recorded by this coordinator")
+    def get_runs(limit: Limit = 100, cursor: Cursor = None, order: Order = "asc") -> dict[str, Any]:
+        return service.runs(limit=limit, cursor=cursor, descending=order == "desc")
+
+    @app.get("/api/peers", summary="Peers with hardware, contribution and online state")
+    def get_peers(run_id: RunId = None, peer_id: PeerId = None, limit: Limit = 100, cursor: Cursor = None,
+                  order: Order = "asc") -> dict[str, Any]:
+        return service.peers(run_id=run_id, peer_id=peer_id, limit=limit, cursor=cursor,
+                             descending=order == "desc")
+
+    @app.get("/api/rounds", summary="Rounds with members, tokens, state hash, durations, outcome")
+    def get_rounds(run_id: RunId = None, peer_id: PeerId = None, limit: Limit = 100, cursor: Cursor = None,
+                   order: Order = "asc") -> dict[str, Any]:
+        return service.rounds(run_id=run_id, peer_id=peer_id, limit=limit, cursor=cursor,
+                              descending=order == "desc")
+
+    @app.get("/api/metrics", summary="Training metrics reported by peers")
+    def get_metrics(run_id: RunId = None, peer_id: PeerId = None, limit: Limit = 100, cursor: Cursor = None,
+                    order: Order = "asc") -> dict[str, Any]:
+        return service.metrics(run_id=run_id, peer_id=peer_id, limit=limit, cursor=cursor,
+                               descending=order == "desc")
+
+    @app.get("/healthz", summary="Liveness and database reachability")
+    def healthz() -> dict[str, Any]:
+        return service.health()
+
+    @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
+    def prometheus() -> Response:
+        return Response(content=service.prometheus_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/", include_in_schema=False)
+    def dashboard() -> FileResponse:
+        return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+    @app.get("/favicon.ico", include_in_schema=False)
+    def favicon() -> Response:
+        return Response(status_code=204)  # no favicon, and no 404 in the browser console
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    return app

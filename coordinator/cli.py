@@ -1,0 +1,125 @@
+"""Command-line hooks for ``swarmloco coordinator`` and ``swarmloco status`` (wired into scripts/cli.py).
+
+Subprocess use (local swarm launcher, tests)::
+
+    python -m coordinator --db runs.sqlite --port 0 --ready-file ready.json [--no-dht] [--run-id RUN]
+
+The ready file appears (atomically) once the server accepts connections; see :mod:`coordinator.server` for its
+JSON fields (``url``, ``port``, ``dht_maddrs``, ``join_command``, ...). SIGINT/SIGTERM stop it cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from coordinator.server import CoordinatorConfig, CoordinatorServer
+from coordinator.service import ServiceConfig
+from coordinator.store import StoreError
+
+__all__ = ["add_coordinator_arguments", "run_coordinator", "add_status_arguments", "run_status"]
+
+
+def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``swarmloco coordinator``."""
+    parser.add_argument("--db", type=Path, default=Path("runs.sqlite"),
+                        help="SQLite file that stores runs, peers, rounds and metrics (created if missing)")
+    parser.add_argument("--host", default="127.0.0.1", help="address the HTTP API and dashboard listen on")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port; 0 picks a free one (see --ready-file)")
+    parser.add_argument("--run-id", default="default",
+                        help="run shown by default on the dashboard and printed in the join command")
+    parser.add_argument("--no-dht", action="store_true", help="do not start the hivemind DHT bootstrap node")
+    parser.add_argument("--dht-host", default="127.0.0.1", help="address the DHT bootstrap node listens on")
+    parser.add_argument("--dht-port", type=int, default=0, help="TCP port of the DHT bootstrap node; 0 = any free")
+    parser.add_argument("--identity", type=Path, default=None,
+                        help="Ed25519 identity file of the DHT node (default: <db>.key; keeps its multiaddr stable)")
+    parser.add_argument("--ready-file", type=Path, default=None,
+                        help="write the bound URL and DHT multiaddrs as JSON to this file once listening")
+    parser.add_argument("--max-past-s", type=float, default=900.0,
+                        help="reject new reports whose timestamp is more than this many seconds old")
+    parser.add_argument("--max-future-s", type=float, default=60.0,
+                        help="reject reports whose timestamp is more than this many seconds ahead")
+    parser.add_argument("--online-window-s", type=float, default=60.0,
+                        help="a peer seen within this many seconds counts as online")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="logging verbosity")
+
+
+def run_coordinator(args: argparse.Namespace) -> int:
+    """Start the coordinator in the foreground; returns the process exit code."""
+    logging.basicConfig(level=getattr(logging, args.log_level, logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        service = ServiceConfig(run_id=args.run_id, max_past_s=args.max_past_s, max_future_s=args.max_future_s,
+                                online_window_s=args.online_window_s)
+        config = CoordinatorConfig(db=args.db, host=args.host, port=args.port, dht=not args.no_dht,
+                                   dht_host=args.dht_host, dht_port=args.dht_port, identity_path=args.identity,
+                                   ready_file=args.ready_file, service=service)
+        server = CoordinatorServer(config)
+    except (ValueError, StoreError, OSError) as e:
+        print(f"swarmloco coordinator: {e}", file=sys.stderr)
+        return 2
+    if config.dht:
+        server.start_dht()
+    info = server.info()
+    print(f"coordinator  {info['url']}   (dashboard: {info['url']}/   API docs: {info['url']}/docs)")
+    print(f"database     {info['db']}")
+    for maddr in info["dht_maddrs"]:
+        print(f"DHT node     {maddr}")
+    print(f"join with:   {info['join_command']}", flush=True)
+    server.run()
+    return 0
+
+
+def add_status_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``swarmloco status``."""
+    parser.add_argument("--coordinator", required=True, help="coordinator URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--run-id", default=None, help="run to summarise (default: the coordinator's run)")
+    parser.add_argument("--rounds", type=int, default=10, help="how many recent rounds to list")
+    parser.add_argument("--timeout", type=float, default=5.0, help="HTTP timeout in seconds")
+
+
+def _get(base: str, path: str, params: dict[str, Any], timeout: float) -> dict[str, Any]:
+    resp = requests.get(base.rstrip("/") + path, params=params, timeout=timeout)
+    resp.raise_for_status()
+    return resp.json()
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def _fmt(x: Any, spec: str = "") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def run_status(args: argparse.Namespace) -> int:
+    """Print peers, recent rounds and losses of a run; exit code 1 if the coordinator is unreachable."""
+    try:
+        run_id = args.run_id or _get(args.coordinator, "/api/runs", {"limit": 1}, args.timeout)["default_run_id"]
+        peers = _get(args.coordinator, "/api/peers", {"run_id": run_id, "limit": 1000}, args.timeout)["items"]
+        rounds = _get(args.coordinator, "/api/rounds",
+                      {"run_id": run_id, "limit": max(1, min(args.rounds, 1000)), "order": "desc"},
+                      args.timeout)["items"]
+    except (requests.RequestException, ValueError, KeyError) as e:
+        print(f"swarmloco status: cannot read {args.coordinator}: {e}", file=sys.stderr)
+        return 1
+    print(f"run {run_id}: {sum(p['online'] for p in peers)} of {len(peers)} peers online\n")
+    print(_table(["peer", "online", "device", "tokens", "tok/s", "rounds", "train loss"], [
+        [p["peer_id"][-12:], "yes" if p["online"] else "no", p["device"] or "-", _fmt(p["tokens_total"], ","),
+         _fmt(p["last_tokens_per_s"], ".0f"), str(p["rounds_committed"]), _fmt(p["last_train_loss"], ".4f")]
+        for p in peers]))
+    print()
+    print(_table(["round", "outcome", "members", "tokens", "eval loss", "hash", "failure"], [
+        [str(r["round"]), r["outcome"], str(len(r["members"])), _fmt(r["tokens_total"], ","),
+         _fmt(r["eval_loss"], ".4f"), (r["state_hash"] or "-")[:12], "; ".join(r["failure_reasons"])[:60] or "-"]
+        for r in rounds]))
+    return 0

@@ -1,0 +1,181 @@
+"""Running the coordinator: store + service + HTTP server (+ optional hivemind DHT bootstrap node).
+
+:class:`CoordinatorServer` binds its socket itself, so ``port=0`` works and :attr:`CoordinatorServer.url` is known
+before the first request. It can run in the foreground (:meth:`run`, handles SIGINT/SIGTERM) or in a background
+thread (:meth:`start`/:meth:`stop`, used by tests). When ``ready_file`` is set, a JSON document is written
+atomically once the server accepts connections::
+
+    {"url": "http://127.0.0.1:41234", "host": "127.0.0.1", "port": 41234, "run_id": "default",
+     "db": "/abs/runs.sqlite", "pid": 1234, "dht_peer_id": "12D3KooW..." | null,
+     "dht_maddrs": ["/ip4/127.0.0.1/tcp/38211/p2p/12D3KooW..."], "join_command": "swarmloco peer ..."}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from coordinator.app import create_app
+from coordinator.service import CoordinatorService, ServiceConfig
+from coordinator.store import SQLiteStore
+
+__all__ = ["CoordinatorConfig", "CoordinatorServer", "join_command"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoordinatorConfig:
+    """Where the coordinator listens and stores, and whether it runs a DHT bootstrap node."""
+
+    db: Path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dht: bool = True
+    dht_host: str = "127.0.0.1"
+    dht_port: int = 0
+    identity_path: Path | None = None  # default: <db>.key
+    ready_file: Path | None = None
+    service: ServiceConfig = field(default_factory=ServiceConfig)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not 0 <= self.dht_port <= 65535:
+            raise ValueError(f"dht_port must be in [0, 65535], got {self.dht_port}")
+        if not Path(self.db).parent.is_dir():
+            raise ValueError(f"directory of --db {self.db} does not exist; create it first")
+
+
+def join_command(maddr: str | None, url: str, run_id: str) -> str:
+    """The exact command a volunteer runs to join this coordinator's run."""
+    parts = ["swarmloco", "peer"]
+    if maddr:
+        parts += ["--initial-peer", maddr]
+    parts += ["--coordinator", url, "--run-id", run_id]
+    return shlex.join(parts)
+
+
+class CoordinatorServer:
+    """Owns the store, the HTTP server and the DHT node for one coordinator process."""
+
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self.config = config
+        self.store = SQLiteStore(config.db)
+        self.service = CoordinatorService(self.store, config.service)
+        self._sock = socket.create_server((config.host, config.port), reuse_port=False)
+        self.port: int = self._sock.getsockname()[1]
+        shown = "127.0.0.1" if config.host in ("0.0.0.0", "") else config.host
+        self.url = f"http://{shown}:{self.port}" if ":" not in shown else f"http://[{shown}]:{self.port}"
+        self._server = uvicorn.Server(uvicorn.Config(
+            create_app(self.service), log_level="warning", access_log=False, timeout_keep_alive=5,
+            limit_concurrency=256, timeout_graceful_shutdown=3))
+        self._thread: threading.Thread | None = None
+        self.dht: Any = None
+        self.dht_maddrs: list[str] = []
+        self.dht_peer_id: str | None = None
+
+    # -- DHT -------------------------------------------------------------------------------------------------
+
+    def start_dht(self) -> None:
+        """Start the DHT bootstrap node (idempotent); afterwards :meth:`info` lists its multiaddrs."""
+        if self.dht is not None:
+            return
+        import hivemind  # heavy; only when the bootstrap node is wanted
+
+        from protocol.identity import load_or_create_identity
+
+        path = self.config.identity_path or Path(str(self.config.db) + ".key")
+        identity = load_or_create_identity(path)
+        self.dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{self.config.dht_host}/tcp/{self.config.dht_port}"],
+                                identity_path=str(path), check_if_identity_free=False)
+        self.dht_peer_id = self.dht.peer_id.to_base58()
+        if self.dht_peer_id != identity.peer_id:
+            logger.warning("DHT peer id %s differs from identity %s", self.dht_peer_id, identity.peer_id)
+        self.dht_maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        run_id = self.config.service.run_id
+        return {"url": self.url, "host": self.config.host, "port": self.port, "run_id": run_id,
+                "db": str(Path(self.config.db).resolve()), "pid": os.getpid(), "dht_peer_id": self.dht_peer_id,
+                "dht_maddrs": self.dht_maddrs,
+                "join_command": join_command(self.dht_maddrs[0] if self.dht_maddrs else None, self.url, run_id)}
+
+    def _write_ready_file(self) -> None:
+        if self.config.ready_file is None:
+            return
+        path = Path(self.config.ready_file)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.info(), indent=2))
+        os.replace(tmp, path)
+
+    def _wait_started(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._server.started:
+                return True
+            if self._thread is not None and not self._thread.is_alive():
+                return False
+            time.sleep(0.01)
+        return False
+
+    def _announce_when_started(self) -> None:
+        if self._wait_started(timeout=30.0):
+            self._write_ready_file()
+            logger.info("coordinator listening on %s", self.url)
+
+    def run(self) -> None:
+        """Serve in the foreground until SIGINT/SIGTERM."""
+        if self.config.dht:
+            self.start_dht()
+        threading.Thread(target=self._announce_when_started, name="ready-file", daemon=True).start()
+        try:
+            self._server.run(sockets=[self._sock])
+        finally:
+            self._cleanup()
+
+    def start(self, timeout: float = 30.0) -> "CoordinatorServer":
+        """Serve in a background thread; returns once connections are accepted."""
+        if self.config.dht:
+            self.start_dht()
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+                                        name="coordinator-http", daemon=True)
+        self._thread.start()
+        if not self._wait_started(timeout):
+            self.stop()
+            raise RuntimeError(f"coordinator did not start listening within {timeout}s")
+        self._write_ready_file()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        if self.dht is not None:
+            self.dht.shutdown()
+            self.dht = None
+        try:
+            self._sock.close()
+        finally:
+            self.store.close()
+
+    def __enter__(self) -> "CoordinatorServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

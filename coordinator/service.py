@@ -1,0 +1,189 @@
+"""Coordinator business logic: report admission, listings and Prometheus metrics, on top of a :class:`Store`.
+
+Admission order for one report (each step either passes or answers a 4xx and changes nothing):
+size cap (413) -> JSON and schema (400) -> signature against the key inlined in ``peer_id`` (401) ->
+known ``(peer_id, nonce)``: same content gives the stored answer again (idempotent retry), different content is a
+replay (409) -> timestamp inside the window (422) -> one atomic store transaction (200).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.exposition import generate_latest
+
+from coordinator.store import Page, Store
+from protocol.reports import MAX_REPORT_BYTES, ReportError, content_hash, parse_report
+
+__all__ = ["Answer", "CoordinatorService", "ServiceConfig"]
+
+logger = logging.getLogger(__name__)
+
+DURATION_BUCKETS: tuple[float, ...] = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServiceConfig:
+    """Admission and display policy of the coordinator."""
+
+    run_id: str = "default"
+    max_past_s: float = 900.0  # how old a *new* report may be (buffered reports are re-signed by the client)
+    max_future_s: float = 60.0  # tolerated clock skew ahead of us
+    online_window_s: float = 60.0  # a peer seen within this many seconds counts as online
+    max_report_bytes: int = MAX_REPORT_BYTES
+    rate_per_s: float = 500.0  # per-client token bucket, refuses floods with 429
+    rate_burst: float = 1000.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_past_s <= 86400 * 30:
+            raise ValueError(f"max_past_s must be in (0, 2592000], got {self.max_past_s}")
+        if not 0 <= self.max_future_s <= 3600:
+            raise ValueError(f"max_future_s must be in [0, 3600], got {self.max_future_s}")
+        if not self.online_window_s > 0:
+            raise ValueError(f"online_window_s must be > 0, got {self.online_window_s}")
+        if not 256 <= self.max_report_bytes <= 16 * 1024 * 1024:
+            raise ValueError(f"max_report_bytes must be in [256, 16 MiB], got {self.max_report_bytes}")
+        if not (self.rate_per_s > 0 and self.rate_burst >= 1):
+            raise ValueError(f"rate_per_s must be > 0 and rate_burst >= 1, got {self.rate_per_s}, {self.rate_burst}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Answer:
+    """An HTTP status and JSON body for one ingest call."""
+
+    status: int
+    body: dict[str, Any]
+
+
+class _RateLimiter:
+    """Token bucket per client key; bounded number of tracked clients."""
+
+    def __init__(self, rate: float, burst: float, max_clients: int = 10_000) -> None:
+        self.rate, self.burst, self.max_clients = rate, burst, max_clients
+        self._buckets: dict[str, tuple[float, float]] = {}
+        self._lock = threading.Lock()
+
+    def allow(self, key: str, now: float) -> bool:
+        with self._lock:
+            tokens, last = self._buckets.get(key, (self.burst, now))
+            tokens = min(self.burst, tokens + (now - last) * self.rate)
+            if len(self._buckets) >= self.max_clients and key not in self._buckets:
+                self._buckets.clear()  # crude but bounded: forget everyone rather than grow forever
+            if tokens < 1:
+                self._buckets[key] = (tokens, now)
+                return False
+            self._buckets[key] = (tokens - 1, now)
+            return True
+
+
+class CoordinatorService:
+    """Everything the HTTP layer calls; owns no sockets and no SQL."""
+
+    def __init__(self, store: Store, config: ServiceConfig, *, clock: Callable[[], float] = time.time) -> None:
+        self.store, self.config, self.clock = store, config, clock
+        self._limiter = _RateLimiter(config.rate_per_s, config.rate_burst)
+        self.store.ensure_run(config.run_id, clock())
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_StoreCollector(self))  # type: ignore[arg-type]
+        self.started_at = clock()
+
+    # -- ingest ----------------------------------------------------------------------------------------------
+
+    def ingest(self, raw: bytes, *, client: str = "?") -> Answer:
+        """Admit one raw report; never raises for bad input."""
+        now = self.clock()
+        if not self._limiter.allow(client, now):
+            return Answer(status=429, body={"error": "too many reports from this client; retry with back-off"})
+        try:
+            report = parse_report(raw, max_bytes=self.config.max_report_bytes)
+        except ReportError as e:
+            return Answer(status=e.status, body={"error": str(e)})
+        envelope = report.to_json()
+        digest = content_hash(envelope)
+        known = self.store.find_report(report.peer_id, report.nonce)
+        if known is not None:
+            return self._known(known.content_hash, digest, known.response)
+        skew = report.timestamp - now
+        if skew > self.config.max_future_s or -skew > self.config.max_past_s:
+            return Answer(status=422, body={
+                "error": f"timestamp {report.timestamp:.3f} is {skew:+.1f}s from the coordinator's clock; "
+                         f"accepted window is -{self.config.max_past_s:g}s..+{self.config.max_future_s:g}s "
+                         f"(re-sign the report with the current time, and check the clock)"})
+        stored = self.store.add_report(report, content_hash=digest, received_at=now)
+        if not stored.created:  # lost a race with a concurrent copy of the same report
+            return self._known(stored.content_hash, digest, stored.response)
+        return Answer(status=200, body=stored.response)
+
+    @staticmethod
+    def _known(stored_hash: str, digest: str, response: dict[str, Any]) -> Answer:
+        if stored_hash == digest:
+            return Answer(status=200, body=response)
+        return Answer(status=409, body={"error": "nonce already used by this peer for a different report "
+                                                 "(replay refused); use a fresh nonce for new reports"})
+
+    # -- listings --------------------------------------------------------------------------------------------
+
+    def _page_json(self, page: Page) -> dict[str, Any]:
+        return {"items": page.items, "next_cursor": page.next_cursor}
+
+    def runs(self, **kw: Any) -> dict[str, Any]:
+        return {**self._page_json(self.store.list_runs(**kw)), "default_run_id": self.config.run_id}
+
+    def peers(self, **kw: Any) -> dict[str, Any]:
+        page = self.store.list_peers(**kw)
+        since = self.clock() - self.config.online_window_s
+        for p in page.items:
+            p["online"] = p["left_at"] is None and p["last_seen"] >= since
+        return self._page_json(page)
+
+    def rounds(self, **kw: Any) -> dict[str, Any]:
+        return self._page_json(self.store.list_rounds(**kw))
+
+    def metrics(self, **kw: Any) -> dict[str, Any]:
+        return self._page_json(self.store.list_metrics(**kw))
+
+    def health(self) -> dict[str, Any]:
+        counts = self.store.counts()
+        return {"status": "ok", "run_id": self.config.run_id, "uptime_s": round(self.clock() - self.started_at, 3),
+                "reports": counts["reports"]}
+
+    def prometheus_text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _StoreCollector:
+    """Computes the Prometheus families from the store at scrape time, so they survive restarts."""
+
+    def __init__(self, service: CoordinatorService) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator[Any]:
+        store, cfg = self.service.store, self.service.config
+        online = GaugeMetricFamily("swarmloco_peers_online", "Peers seen within the online window and not gone")
+        online.add_metric([], store.peers_online(self.service.clock() - cfg.online_window_s))
+        yield online
+        rounds = CounterMetricFamily("swarmloco_rounds", "Distinct rounds recorded, by outcome", labels=["outcome"])
+        for outcome, n in sorted(store.rounds_by_outcome().items()):
+            rounds.add_metric([outcome], n)
+        yield rounds
+        tokens = CounterMetricFamily("swarmloco_tokens", "Tokens processed by all peers (latest report per peer)")
+        tokens.add_metric([], store.tokens_total())
+        yield tokens
+        durations = store.round_durations()
+        buckets, acc = [], 0
+        for edge in DURATION_BUCKETS:
+            acc = sum(1 for d in durations if d <= edge)
+            buckets.append((repr(float(edge)), acc))
+        buckets.append(("+Inf", len(durations)))
+        hist = HistogramMetricFamily("swarmloco_round_duration_seconds",
+                                     "Per-peer round duration (train + wait + average)")
+        hist.add_metric([], buckets, sum_value=sum(durations))
+        yield hist
+        reports = CounterMetricFamily("swarmloco_reports", "Reports stored")
+        reports.add_metric([], store.counts()["reports"])
+        yield reports

@@ -1,0 +1,335 @@
+"""Progress store: the only place that speaks SQL.
+
+:class:`Store` is the interface the service uses (runs, peers, rounds, metrics and the report ledger); the
+embedded default :class:`SQLiteStore` keeps everything in one SQLite file in WAL mode with ``synchronous=FULL``, so
+a report acknowledged with a 2xx has been fsynced. Schema changes are numbered migrations tracked by
+``PRAGMA user_version``; ``PRAGMA integrity_check`` runs at start-up and refuses a damaged file. Each report is
+stored in a single transaction: either every row it implies is written, or none.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Protocol, Sequence
+
+from coordinator.migrations import MIGRATIONS
+from protocol.reports import Report
+
+__all__ = ["Page", "Store", "StoreError", "SQLiteStore", "StoredReport"]
+
+logger = logging.getLogger(__name__)
+
+
+class StoreError(RuntimeError):
+    """The database cannot be used (damaged, newer schema, unwritable)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoredReport:
+    """A report already in the ledger: what it contained and the answer that was given for it."""
+
+    content_hash: str
+    response: dict[str, Any]
+    created: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Page:
+    """One page of a listing, ordered by ``id``; pass ``next_cursor`` back as ``cursor`` for the next page."""
+
+    items: list[dict[str, Any]]
+    next_cursor: int | None
+
+
+class Store(Protocol):
+    """What the coordinator needs from a database; an implementation must make :meth:`add_report` atomic."""
+
+    def find_report(self, peer_id: str, nonce: str) -> StoredReport | None: ...
+    def add_report(self, report: Report, *, content_hash: str, received_at: float) -> StoredReport: ...
+    def ensure_run(self, run_id: str, now: float) -> None: ...
+    def list_runs(self, *, limit: int, cursor: int | None, descending: bool) -> Page: ...
+    def list_peers(self, *, run_id: str | None, peer_id: str | None, limit: int, cursor: int | None,
+                   descending: bool) -> Page: ...
+    def list_rounds(self, *, run_id: str | None, peer_id: str | None, limit: int, cursor: int | None,
+                    descending: bool) -> Page: ...
+    def list_metrics(self, *, run_id: str | None, peer_id: str | None, limit: int, cursor: int | None,
+                     descending: bool) -> Page: ...
+    def peers_online(self, since: float) -> int: ...
+    def rounds_by_outcome(self) -> dict[str, int]: ...
+    def tokens_total(self) -> int: ...
+    def round_durations(self) -> list[float]: ...
+    def counts(self) -> dict[str, int]: ...
+    def integrity_check(self) -> str: ...
+    def close(self) -> None: ...
+
+
+_TABLES = ("runs", "peers", "reports", "metrics", "rounds", "round_reports")
+
+
+class SQLiteStore:
+    """SQLite implementation of :class:`Store`; thread-safe through one connection guarded by a lock."""
+
+    def __init__(self, path: str | Path, *, busy_timeout_s: float = 10.0) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        try:
+            self._conn = sqlite3.connect(
+                str(self.path), timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
+            )
+        except sqlite3.Error as e:
+            raise StoreError(f"cannot open database {self.path}: {e}") from None
+        self._conn.row_factory = sqlite3.Row
+        try:
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute("PRAGMA synchronous=FULL")
+            self._conn.execute("PRAGMA foreign_keys=ON")
+            result = self.integrity_check()
+            if result != "ok":
+                raise StoreError(f"database {self.path} failed PRAGMA integrity_check: {result[:500]}; "
+                                 f"restore a backup or start with a new --db file")
+            self._migrate()
+        except sqlite3.Error as e:
+            self._conn.close()
+            raise StoreError(f"database {self.path} is unusable: {e}") from None
+        except StoreError:
+            self._conn.close()
+            raise
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+
+    def _migrate(self) -> None:
+        version = self._conn.execute("PRAGMA user_version").fetchone()[0]
+        if version > len(MIGRATIONS):
+            raise StoreError(f"database {self.path} has schema version {version}, this coordinator knows only "
+                             f"up to {len(MIGRATIONS)}; upgrade swarmloco")
+        for target, script in enumerate(MIGRATIONS[version:], start=version + 1):
+            logger.info("migrating %s to schema version %d", self.path, target)
+            # executescript commits first; the whole migration then runs as one transaction
+            self._conn.executescript(f"BEGIN IMMEDIATE;\n{script}\nPRAGMA user_version={target};\nCOMMIT;")
+
+    def integrity_check(self) -> str:
+        with self._lock:
+            rows = self._conn.execute("PRAGMA integrity_check").fetchall()
+        return "\n".join(str(r[0]) for r in rows)
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    # -- ingest ----------------------------------------------------------------------------------------------
+
+    def find_report(self, peer_id: str, nonce: str) -> StoredReport | None:
+        with self._lock:
+            return self._find(peer_id, nonce)
+
+    def _find(self, peer_id: str, nonce: str) -> StoredReport | None:
+        row = self._conn.execute(
+            "SELECT content_hash, response FROM reports WHERE peer_id=? AND nonce=?", (peer_id, nonce)
+        ).fetchone()
+        if row is None:
+            return None
+        return StoredReport(content_hash=row["content_hash"], response=json.loads(row["response"]), created=False)
+
+    def ensure_run(self, run_id: str, now: float) -> None:
+        with self._lock:
+            self._conn.execute("INSERT OR IGNORE INTO runs(run_id, created_at, last_seen) VALUES (?,?,?)",
+                               (run_id, now, now))
+
+    def add_report(self, report: Report, *, content_hash: str, received_at: float) -> StoredReport:
+        """Store a report and everything it implies in one transaction; a known (peer, nonce) is returned as is."""
+        with self._lock:
+            c = self._conn
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                existing = self._find(report.peer_id, report.nonce)
+                if existing is not None:
+                    c.execute("ROLLBACK")
+                    return existing
+                cur = c.execute(
+                    "INSERT INTO reports(peer_id, nonce, run_id, kind, timestamp, received_at, content_hash,"
+                    " body, response) VALUES (?,?,?,?,?,?,?,?,?)",
+                    (report.peer_id, report.nonce, report.run_id, report.kind, report.timestamp, received_at,
+                     content_hash, json.dumps(report.body, separators=(",", ":")), "{}"),
+                )
+                report_id = int(cur.lastrowid or 0)
+                response = {"status": "stored", "report_id": report_id, "kind": report.kind,
+                            "peer_id": report.peer_id, "nonce": report.nonce}
+                c.execute("UPDATE reports SET response=? WHERE id=?", (json.dumps(response), report_id))
+                self._apply(report, report_id, received_at)
+                c.execute("COMMIT")
+            except BaseException:
+                c.execute("ROLLBACK")
+                raise
+        return StoredReport(content_hash=content_hash, response=response, created=True)
+
+    def _apply(self, r: Report, report_id: int, now: float) -> None:
+        c, b = self._conn, r.body
+        c.execute("INSERT INTO runs(run_id, created_at, last_seen) VALUES (?,?,?) "
+                  "ON CONFLICT(run_id) DO UPDATE SET last_seen=MAX(last_seen, excluded.last_seen)",
+                  (r.run_id, now, now))
+        c.execute("INSERT INTO peers(run_id, peer_id, joined_at, last_seen) VALUES (?,?,?,?) "
+                  "ON CONFLICT(run_id, peer_id) DO UPDATE SET last_seen=MAX(last_seen, excluded.last_seen), "
+                  "left_at=NULL",
+                  (r.run_id, r.peer_id, now, now))
+        key = (r.run_id, r.peer_id)
+        if r.kind == "hello":
+            c.execute("UPDATE peers SET version=?, device=?, memory_bytes=?, tokens_per_s=? "
+                      "WHERE run_id=? AND peer_id=?",
+                      (b["version"], b["device"], b["memory_bytes"], b["tokens_per_s"], *key))
+        elif r.kind == "bye":
+            c.execute("UPDATE peers SET left_at=? WHERE run_id=? AND peer_id=?", (now, *key))
+        elif r.kind == "heartbeat":
+            if b.get("tokens_total") is not None:
+                c.execute("UPDATE peers SET tokens_total=MAX(tokens_total, ?) WHERE run_id=? AND peer_id=?",
+                          (b["tokens_total"], *key))
+        elif r.kind == "metrics":
+            c.execute("INSERT INTO metrics(report_id, run_id, peer_id, timestamp, step, train_loss, eval_loss,"
+                      " tokens_per_s, tokens_total) VALUES (?,?,?,?,?,?,?,?,?)",
+                      (report_id, *key, r.timestamp, b["step"], b["train_loss"], b.get("eval_loss"),
+                       b["tokens_per_s"], b["tokens_total"]))
+            c.execute("UPDATE peers SET tokens_total=MAX(tokens_total, ?), last_train_loss=?, "
+                      "last_tokens_per_s=? WHERE run_id=? AND peer_id=?",
+                      (b["tokens_total"], b["train_loss"], b["tokens_per_s"], *key))
+        elif r.kind == "round":
+            self._apply_round(r, report_id)
+
+    def _apply_round(self, r: Report, report_id: int) -> None:
+        c, b = self._conn, r.body
+        # One `rounds` row per distinct (round, outcome, hash): members that disagree show up as separate rows.
+        c.execute("INSERT OR IGNORE INTO rounds(run_id, round, outcome, state_hash, members, tokens, "
+                  "first_reported_at) VALUES (?,?,?,?,?,?,?)",
+                  (r.run_id, b["round"], b["outcome"], b["state_hash"] or "", json.dumps(b["members"]),
+                   json.dumps(b["tokens"]), r.timestamp))
+        round_id = c.execute("SELECT id FROM rounds WHERE run_id=? AND round=? AND outcome=? AND state_hash=?",
+                             (r.run_id, b["round"], b["outcome"], b["state_hash"] or "")).fetchone()[0]
+        c.execute("INSERT INTO round_reports(round_id, report_id, peer_id, timestamp, train_s, wait_s, average_s,"
+                  " eval_loss, failure_reason) VALUES (?,?,?,?,?,?,?,?,?)",
+                  (round_id, report_id, r.peer_id, r.timestamp, b["train_s"], b["wait_s"], b["average_s"],
+                   b.get("eval_loss"), b.get("failure_reason")))
+        if b["outcome"] == "committed":
+            c.execute("UPDATE peers SET rounds_committed=rounds_committed+1 WHERE run_id=? AND peer_id=?",
+                      (r.run_id, r.peer_id))
+
+    # -- listings --------------------------------------------------------------------------------------------
+
+    def _page(self, sql: str, where: list[str], args: list[Any], *, id_col: str, limit: int,
+              cursor: int | None, descending: bool) -> list[sqlite3.Row]:
+        if cursor is not None:
+            where.append(f"{id_col} {'<' if descending else '>'} ?")
+            args.append(cursor)
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += f" ORDER BY {id_col} {'DESC' if descending else 'ASC'} LIMIT ?"
+        args.append(limit)
+        with self._lock:
+            return self._conn.execute(sql, args).fetchall()
+
+    @staticmethod
+    def _finish(items: list[dict[str, Any]], limit: int) -> Page:
+        return Page(items=items, next_cursor=items[-1]["id"] if len(items) == limit and items else None)
+
+    @staticmethod
+    def _filters(run_id: str | None, peer_id: str | None, prefix: str = "") -> tuple[list[str], list[Any]]:
+        where, args = [], []
+        if run_id is not None:
+            where.append(f"{prefix}run_id = ?")
+            args.append(run_id)
+        if peer_id is not None:
+            where.append(f"{prefix}peer_id = ?")
+            args.append(peer_id)
+        return where, args
+
+    def list_runs(self, *, limit: int, cursor: int | None, descending: bool) -> Page:
+        rows = self._page("SELECT rowid AS id, run_id, created_at, last_seen, (SELECT COUNT(*) FROM peers p "
+                          "WHERE p.run_id = runs.run_id) AS peers FROM runs", [], [], id_col="rowid",
+                          limit=limit, cursor=cursor, descending=descending)
+        return self._finish([dict(r) for r in rows], limit)
+
+    def list_peers(self, *, run_id: str | None, peer_id: str | None, limit: int, cursor: int | None,
+                   descending: bool) -> Page:
+        where, args = self._filters(run_id, peer_id)
+        rows = self._page("SELECT rowid AS id, * FROM peers", where, args, id_col="rowid", limit=limit,
+                          cursor=cursor, descending=descending)
+        return self._finish([dict(r) for r in rows], limit)
+
+    def list_metrics(self, *, run_id: str | None, peer_id: str | None, limit: int, cursor: int | None,
+                     descending: bool) -> Page:
+        where, args = self._filters(run_id, peer_id)
+        rows = self._page("SELECT id, run_id, peer_id, timestamp, step, train_loss, eval_loss, tokens_per_s,"
+                          " tokens_total FROM metrics", where, args, id_col="id", limit=limit, cursor=cursor,
+                          descending=descending)
+        return self._finish([dict(r) for r in rows], limit)
+
+    def list_rounds(self, *, run_id: str | None, peer_id: str | None, limit: int, cursor: int | None,
+                    descending: bool) -> Page:
+        where, args = self._filters(run_id, None)
+        if peer_id is not None:
+            where.append("id IN (SELECT round_id FROM round_reports WHERE peer_id = ?)")
+            args.append(peer_id)
+        rows = self._page("SELECT * FROM rounds", where, args, id_col="id", limit=limit, cursor=cursor,
+                          descending=descending)
+        items = [self._round_item(r) for r in rows]
+        self._attach_round_reports(items)
+        return self._finish(items, limit)
+
+    @staticmethod
+    def _round_item(r: sqlite3.Row) -> dict[str, Any]:
+        tokens = json.loads(r["tokens"])
+        return {"id": r["id"], "run_id": r["run_id"], "round": r["round"], "outcome": r["outcome"],
+                "state_hash": r["state_hash"] or None, "members": json.loads(r["members"]), "tokens": tokens,
+                "tokens_total": sum(tokens), "first_reported_at": r["first_reported_at"]}
+
+    def _attach_round_reports(self, items: list[dict[str, Any]]) -> None:
+        by_id = {it["id"]: it for it in items}
+        if not by_id:
+            return
+        marks = ",".join("?" * len(by_id))
+        with self._lock:
+            rows = self._conn.execute(f"SELECT * FROM round_reports WHERE round_id IN ({marks}) ORDER BY id",
+                                      list(by_id)).fetchall()
+        for it in items:
+            it.update(reporters=[], train_s=0.0, wait_s=0.0, average_s=0.0, eval_loss=None, failure_reasons=[])
+        for row in rows:
+            it = by_id[row["round_id"]]
+            it["reporters"].append(row["peer_id"])
+            for col in ("train_s", "wait_s", "average_s"):  # the slowest member's view of the round
+                it[col] = max(it[col], row[col])
+            if row["eval_loss"] is not None and it["eval_loss"] is None:
+                it["eval_loss"] = row["eval_loss"]
+            if row["failure_reason"] and row["failure_reason"] not in it["failure_reasons"]:
+                it["failure_reasons"].append(row["failure_reason"])
+
+    # -- aggregates for /metrics -----------------------------------------------------------------------------
+
+    def _scalar(self, sql: str, args: Sequence[Any] = ()) -> Any:
+        with self._lock:
+            return self._conn.execute(sql, args).fetchone()[0]
+
+    def peers_online(self, since: float) -> int:
+        return int(self._scalar("SELECT COUNT(*) FROM peers WHERE last_seen >= ? AND left_at IS NULL", (since,)))
+
+    def rounds_by_outcome(self) -> dict[str, int]:
+        with self._lock:
+            rows = self._conn.execute("SELECT outcome, COUNT(*) FROM rounds GROUP BY outcome").fetchall()
+        return {r[0]: int(r[1]) for r in rows}
+
+    def tokens_total(self) -> int:
+        return int(self._scalar("SELECT COALESCE(SUM(tokens_total), 0) FROM peers"))
+
+    def round_durations(self) -> list[float]:
+        with self._lock:
+            rows = self._conn.execute("SELECT train_s + wait_s + average_s FROM round_reports").fetchall()
+        return [float(r[0]) for r in rows]
+
+    def counts(self) -> dict[str, int]:
+        return {t: int(self._scalar(f"SELECT COUNT(*) FROM {t}")) for t in _TABLES}
+
+    def nonces(self) -> Iterable[tuple[str, str]]:
+        """Every (peer_id, nonce) in the ledger; for tests and audits."""
+        with self._lock:
+            return [(r[0], r[1]) for r in self._conn.execute("SELECT peer_id, nonce FROM reports")]
