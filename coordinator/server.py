@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import shlex
+import signal
 import socket
 import threading
 import time
@@ -141,6 +142,10 @@ class CoordinatorServer:
         if self.config.dht:
             self.start_dht()
         threading.Thread(target=self._announce_when_started, name="ready-file", daemon=True).start()
+        # uvicorn restores the previous handlers and re-raises the signal after its graceful shutdown; with the
+        # default handler that would kill us before the DHT and the database are closed.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda signum, _frame: logger.info("stopping on signal %d", signum))
         try:
             self._server.run(sockets=[self._sock])
         finally:
