@@ -1,0 +1,52 @@
+"""Benchmark harness entry point: `python -m scripts.bench SUBCOMMAND [--quick] [--json PATH] ...`.
+
+Subcommands (each prints a markdown table of ratios measured side by side in one run, and writes JSON):
+  allreduce    our averaging vs torch.distributed gloo all_reduce vs hivemind DecentralizedAverager
+  quality      eval loss of DiLoCo (M replicas, H inner steps, outer lr sweep) vs data-parallel at equal tokens
+  comm         bytes per trained token: data-parallel ring all-reduce vs DiLoCo with each codec
+  utilisation  compute vs wait share of heterogeneous peers (needs protocol.bench_hooks), shaped-link self-check
+  join         late-joiner state fetch vs moving the same bytes over a plain loopback socket
+The logic lives in scripts/bench_<name>.py; `--quick` shrinks every size for a CI smoke test.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "allreduce": ("scripts.bench_allreduce", "averaging one fp32 tensor: ours vs gloo vs hivemind"),
+    "quality": ("scripts.bench_quality", "eval loss of DiLoCo vs data-parallel at equal tokens"),
+    "comm": ("scripts.bench_comm", "bytes per trained token: data-parallel vs DiLoCo per codec"),
+    "utilisation": ("scripts.bench_utilisation", "compute/wait share of heterogeneous peers; shaped-link check"),
+    "join": ("scripts.bench_join", "late-joiner state fetch vs a plain loopback socket"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bench", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+        p.add_argument("--quick", action="store_true", help="tiny sizes for a CI smoke test (checks sanity, not speed)")
+        importlib.import_module(module_name).add_arguments(p)
+        p.set_defaults(_module=module_name)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    for noisy in ("hivemind", "asyncio"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    return int(importlib.import_module(args._module).run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
