@@ -210,11 +210,13 @@ class Reporter:
             while not self._abort:
                 now = time.monotonic()
                 if (self.config.heartbeat_interval_s > 0 and now >= self._next_heartbeat and not self._closing
+                        and len(self._queue) < self.config.buffer_size
                         and not any(r.kind == "heartbeat" for r in self._queue)):
                     self._next_heartbeat = now + self.config.heartbeat_interval_s
                     try:
                         self._queue.append(build_report(self.identity, self.run_id, "heartbeat",
                                                         dict(self._last_heartbeat_body)))
+                        self._stats.queued += 1
                     except ReportError as e:
                         logger.debug("skipping heartbeat: %s", e)
                 if self._queue and now >= not_before:

@@ -127,24 +127,60 @@ class Identity:
         return Ed25519PrivateKey.generate()
 
 
+_KEY_TYPE_NAMES = {0: "RSA", 1: "Ed25519", 2: "Secp256k1", 3: "ECDSA"}
+
+
+def _read_varint(blob: bytes, pos: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        if pos >= len(blob) or shift > 63:
+            raise ValueError("truncated or overlong varint")
+        byte = blob[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return value, pos
+
+
+def _decode_key_message(blob: bytes) -> tuple[int, bytes]:
+    """Decode libp2p ``crypto.pb.PrivateKey``/``PublicKey`` (two fields) without a protobuf runtime."""
+    key_type: int | None = None
+    data: bytes | None = None
+    pos = 0
+    while pos < len(blob):
+        tag, pos = _read_varint(blob, pos)
+        field_no, wire_type = tag >> 3, tag & 7
+        if wire_type == 0:
+            value, pos = _read_varint(blob, pos)
+            if field_no == 1:
+                key_type = value
+        elif wire_type == 2:
+            length, pos = _read_varint(blob, pos)
+            if pos + length > len(blob):
+                raise ValueError("length-delimited field runs past the end")
+            if field_no == 2:
+                data = blob[pos:pos + length]
+            pos += length
+        else:
+            raise ValueError(f"unexpected protobuf wire type {wire_type}")
+    if key_type is None or data is None:
+        raise ValueError("key_type or data is missing")
+    return key_type, data
+
+
 def _parse_private_key_file(path: Path, blob: bytes) -> Ed25519PrivateKey:
     """Parse libp2p ``PrivateKey`` protobuf bytes; accept the 64-byte (seed||pub) and legacy 96-byte layouts."""
-    from hivemind.proto import crypto_pb2  # local import: hivemind is heavy and only needed here
-
-    msg = crypto_pb2.PrivateKey()
     try:
-        msg.ParseFromString(blob)
-    except Exception as e:  # protobuf raises DecodeError, a subclass of Exception
+        key_type, data = _decode_key_message(blob)
+    except ValueError as e:
         raise IdentityError(f"identity file {path} is not a libp2p private key protobuf: {e}") from None
-    if not msg.HasField("key_type") or not msg.HasField("data"):
-        raise IdentityError(f"identity file {path} is missing key_type or data")
-    if msg.key_type != crypto_pb2.KeyType.Ed25519:
-        name = crypto_pb2.KeyType.Name(msg.key_type) if msg.key_type in crypto_pb2.KeyType.values() else msg.key_type
+    if key_type != _KEY_TYPE_ED25519:
+        name = _KEY_TYPE_NAMES.get(key_type, f"type-{key_type}")
         raise IdentityError(
             f"identity file {path} holds a {name} key, but swarmloco needs Ed25519; "
             f"move it away and a new Ed25519 identity will be created"
         )
-    data = bytes(msg.data)
     if len(data) not in (64, 96):
         raise IdentityError(f"identity file {path}: Ed25519 key data is {len(data)} bytes, expected 64")
     key = Ed25519PrivateKey.from_private_bytes(data[:32])

@@ -1,0 +1,90 @@
+"""Shared helpers for the coordinator tests: identities, sample report bodies, in-thread and subprocess servers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from coordinator.server import CoordinatorConfig, CoordinatorServer
+from coordinator.service import ServiceConfig
+from protocol.identity import Identity, load_or_create_identity
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_identities(directory: Path, n: int) -> list[Identity]:
+    directory.mkdir(parents=True, exist_ok=True)
+    return [load_or_create_identity(directory / f"peer{i}.key") for i in range(n)]
+
+
+def hello_body(device: str = "cpu", tokens_per_s: float = 1234.5) -> dict[str, Any]:
+    return {"version": "0.1.0", "device": device, "memory_bytes": 8 * 2**30, "tokens_per_s": tokens_per_s}
+
+
+def metrics_body(step: int, loss: float = 3.0, tokens_total: int | None = None) -> dict[str, Any]:
+    return {"step": step, "train_loss": loss, "tokens_per_s": 900.0,
+            "tokens_total": tokens_total if tokens_total is not None else step * 256}
+
+
+def round_body(rnd: int, members: list[str], *, outcome: str = "committed", eval_loss: float | None = 2.5,
+               failure_reason: str | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "round": rnd, "members": members, "tokens": [1000 + i for i in range(len(members))],
+        "state_hash": f"{rnd:08x}" * 8 if outcome == "committed" else None, "train_s": 4.0, "wait_s": 0.5,
+        "average_s": 0.25, "outcome": outcome, "failure_reason": failure_reason,
+    }
+    if eval_loss is not None:
+        body["eval_loss"] = eval_loss
+    return body
+
+
+def start_server(db: Path, **service_kw: Any) -> CoordinatorServer:
+    """An in-thread coordinator on 127.0.0.1, port 0, without DHT."""
+    config = CoordinatorConfig(db=db, host="127.0.0.1", port=service_kw.pop("port", 0), dht=False,
+                               service=ServiceConfig(**service_kw))
+    return CoordinatorServer(config).start(timeout=20)
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def spawn_coordinator(db: Path, ready: Path, *extra: str, port: int = 0,
+                      timeout: float = 60.0) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    """Start ``python -m coordinator`` and wait for its ready file; returns the process and the file's JSON."""
+    ready.unlink(missing_ok=True)
+    log = open(ready.with_suffix(".log"), "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "coordinator", "--db", str(db), "--port", str(port),
+                             "--ready-file", str(ready), "--log-level", "WARNING", *extra],
+                            cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    deadline = time.monotonic() + timeout
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            kill(proc)
+            raise RuntimeError(f"coordinator did not start: {ready.with_suffix('.log').read_text()[-2000:]}")
+        time.sleep(0.05)
+    return proc, json.loads(ready.read_text())
+
+
+def kill(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL, timeout: float = 10.0) -> None:
+    """Signal one process we started (by pid) and reap it."""
+    if proc.poll() is None:
+        try:
+            os.kill(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=timeout)
