@@ -1,0 +1,252 @@
+// swarmloco dashboard: polls the coordinator's JSON API and draws charts with the vendored Chart.js.
+// Untrusted strings (peer ids, device names, failure reasons) are only ever inserted with textContent.
+"use strict";
+
+const REFRESH_MS = 2000;
+const PAGE = 1000;
+const MAX_PAGES_PER_REFRESH = 20;
+const OUTCOME_COLORS = { committed: "#2e9d5b", discarded: "#d08a1c", failed: "#c83a3a", timeout: "#c83a3a",
+                         skipped: "#888888", stale: "#888888" };
+const PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+                 "#bcbd22", "#17becf"];
+
+const state = { runId: null, metricsCursor: null, metrics: [], rounds: [], peers: [], colors: new Map(),
+                refreshes: 0, lastError: null };
+window.swarmloco = state;  // for debugging and the browser test
+
+function peerColor(peerId) {
+  if (!state.colors.has(peerId)) state.colors.set(peerId, PALETTE[state.colors.size % PALETTE.length]);
+  return state.colors.get(peerId);
+}
+const short = (peerId) => "…" + peerId.slice(-8);
+const fmt = (x, digits = 0) => (x === null || x === undefined) ? "–" :
+  Number(x).toLocaleString(undefined, { maximumFractionDigits: digits, minimumFractionDigits: digits });
+
+async function getJSON(path, params = {}) {
+  const url = new URL(path, window.location.origin);
+  for (const [k, v] of Object.entries(params)) if (v !== null && v !== undefined) url.searchParams.set(k, v);
+  const resp = await fetch(url, { cache: "no-store" });
+  if (!resp.ok) throw new Error(`${path}: HTTP ${resp.status}`);
+  return resp.json();
+}
+
+async function getAll(path, params, cursor = null) {
+  let items = [];
+  for (let i = 0; i < MAX_PAGES_PER_REFRESH; i++) {
+    const page = await getJSON(path, { ...params, limit: PAGE, cursor });
+    items = items.concat(page.items);
+    if (page.next_cursor === null) return { items, cursor: page.items.length ? page.items.at(-1).id : cursor };
+    cursor = page.next_cursor;
+  }
+  return { items, cursor };
+}
+
+function lineChart(canvasId, xTitle, yTitle, xType = "linear") {
+  return new Chart(document.getElementById(canvasId), {
+    type: "line",
+    data: { datasets: [] },
+    options: {
+      animation: false, responsive: true, maintainAspectRatio: false, parsing: false, normalized: true,
+      interaction: { mode: "nearest", intersect: false },
+      elements: { point: { radius: 2 }, line: { borderWidth: 1.5 } },
+      scales: { x: { type: xType, title: { display: true, text: xTitle } },
+                y: { title: { display: true, text: yTitle } } },
+      plugins: { legend: { position: "bottom", labels: { boxWidth: 12 } } },
+    },
+  });
+}
+
+const charts = {};
+
+function initCharts() {
+  charts.train = lineChart("chart-train", "tokens (this peer)", "train loss");
+  charts.eval = lineChart("chart-eval", "swarm tokens (committed rounds)", "eval loss");
+  charts.throughput = lineChart("chart-throughput", "seconds since first report", "tokens/s");
+  charts.rounds = new Chart(document.getElementById("chart-rounds"), {
+    type: "bar",
+    data: { labels: [], datasets: [] },
+    options: {
+      animation: false, responsive: true, maintainAspectRatio: false,
+      scales: { x: { stacked: true, title: { display: true, text: "round" } },
+                y: { stacked: true, title: { display: true, text: "seconds" } } },
+      plugins: { legend: { position: "bottom", labels: { boxWidth: 12 } },
+                 tooltip: { callbacks: { afterBody: (items) => roundTooltip(items) } } },
+    },
+  });
+  window.swarmlocoCharts = charts;
+}
+
+function roundTooltip(items) {
+  const r = state.roundsShown?.[items[0]?.dataIndex];
+  if (!r) return "";
+  const lines = [`outcome: ${r.outcome}`, `members: ${r.members.length}`];
+  if (r.failure_reasons.length) lines.push(`failure: ${r.failure_reasons.join("; ")}`);
+  return lines;
+}
+
+function byPeer(points, key) {
+  const groups = new Map();
+  for (const m of points) {
+    if (m[key] === null || m[key] === undefined) continue;
+    if (!groups.has(m.peer_id)) groups.set(m.peer_id, []);
+    groups.get(m.peer_id).push(m);
+  }
+  return groups;
+}
+
+function peerDatasets(groups, xOf, yKey) {
+  return [...groups.entries()].map(([peerId, pts]) => ({
+    label: short(peerId), borderColor: peerColor(peerId), backgroundColor: peerColor(peerId),
+    data: pts.map((m) => ({ x: xOf(m), y: m[yKey] })).sort((a, b) => a.x - b.x),
+  }));
+}
+
+function updateCharts() {
+  charts.train.data.datasets = peerDatasets(byPeer(state.metrics, "train_loss"), (m) => m.tokens_total, "train_loss");
+  charts.train.update();
+
+  let swarmTokens = 0;
+  const evalPoints = [];
+  const ordered = [...state.rounds].sort((a, b) => a.round - b.round || a.id - b.id);
+  for (const r of ordered) {
+    if (r.outcome !== "committed") continue;
+    swarmTokens += r.tokens_total;
+    if (r.eval_loss !== null) evalPoints.push({ x: swarmTokens, y: r.eval_loss });
+  }
+  const evalSets = [{ label: "swarm eval loss (rounds)", data: evalPoints, borderColor: "#000",
+                      backgroundColor: "#000" }];
+  const peerEval = peerDatasets(byPeer(state.metrics, "eval_loss"), (m) => m.tokens_total, "eval_loss");
+  if (!evalPoints.length) for (const d of peerEval) evalSets.push({ ...d, label: d.label + " eval (own tokens)" });
+  charts.eval.data.datasets = evalSets;
+  charts.eval.update();
+
+  const t0 = state.metrics.length ? Math.min(...state.metrics.map((m) => m.timestamp)) : 0;
+  charts.throughput.data.datasets = peerDatasets(byPeer(state.metrics, "tokens_per_s"),
+                                                 (m) => m.timestamp - t0, "tokens_per_s");
+  charts.throughput.update();
+
+  const shown = ordered.slice(-60);
+  state.roundsShown = shown;
+  charts.rounds.data.labels = shown.map((r) => String(r.round));
+  const outcomeColors = shown.map((r) => OUTCOME_COLORS[r.outcome] || "#555");
+  charts.rounds.data.datasets = [
+    { label: "train", data: shown.map((r) => r.train_s), backgroundColor: outcomeColors },
+    { label: "wait", data: shown.map((r) => r.wait_s), backgroundColor: "#9ecae1" },
+    { label: "average", data: shown.map((r) => r.average_s), backgroundColor: "#3182bd" },
+  ];
+  charts.rounds.update();
+}
+
+function cell(row, text, cls) {
+  const td = document.createElement("td");
+  td.textContent = text;
+  if (cls) td.className = cls;
+  row.appendChild(td);
+  return td;
+}
+
+function updateTables() {
+  const peersBody = document.querySelector("#peers-table tbody");
+  peersBody.replaceChildren();
+  for (const p of state.peers) {
+    const tr = document.createElement("tr");
+    const id = cell(tr, short(p.peer_id));
+    id.title = p.peer_id;
+    id.style.color = peerColor(p.peer_id);
+    cell(tr, p.online ? "online" : (p.left_at ? "left" : "offline"), p.online ? "online" : "offline");
+    cell(tr, p.device ?? "–");
+    cell(tr, p.memory_bytes ? fmt(p.memory_bytes / 2 ** 30, 1) + " GiB" : "–", "num");
+    cell(tr, fmt(p.tokens_per_s), "num");
+    cell(tr, fmt(p.tokens_total), "num");
+    cell(tr, fmt(p.rounds_committed), "num");
+    cell(tr, fmt(p.last_train_loss, 4), "num");
+    cell(tr, fmt(p.last_tokens_per_s), "num");
+    cell(tr, new Date(p.last_seen * 1000).toLocaleTimeString());
+    peersBody.appendChild(tr);
+  }
+  const roundsBody = document.querySelector("#rounds-table tbody");
+  roundsBody.replaceChildren();
+  for (const r of [...state.rounds].sort((a, b) => b.round - a.round || b.id - a.id).slice(0, 30)) {
+    const tr = document.createElement("tr");
+    cell(tr, String(r.round), "num");
+    const badge = document.createElement("span");
+    badge.className = "badge outcome-" + r.outcome;
+    badge.textContent = r.outcome;
+    cell(tr, "").appendChild(badge);
+    cell(tr, r.members.map(short).join(" "));
+    cell(tr, fmt(r.tokens_total), "num");
+    cell(tr, `${fmt(r.train_s, 1)} / ${fmt(r.wait_s, 1)} / ${fmt(r.average_s, 1)}`, "num");
+    cell(tr, fmt(r.eval_loss, 4), "num");
+    cell(tr, r.state_hash ? r.state_hash.slice(0, 12) : "–");
+    cell(tr, r.failure_reasons.join("; ") || "");
+    roundsBody.appendChild(tr);
+  }
+}
+
+function updateCards() {
+  const online = state.peers.filter((p) => p.online);
+  document.getElementById("card-peers").textContent = `${online.length} / ${state.peers.length}`;
+  const committed = state.rounds.filter((r) => r.outcome === "committed").length;
+  document.getElementById("card-rounds").textContent = `${committed} / ${state.rounds.length - committed}`;
+  document.getElementById("card-tokens").textContent = fmt(state.peers.reduce((s, p) => s + p.tokens_total, 0));
+  const tps = online.reduce((s, p) => s + (p.last_tokens_per_s || 0), 0);
+  document.getElementById("card-throughput").textContent = fmt(tps) + " tok/s";
+  const lastEval = [...state.rounds].filter((r) => r.eval_loss !== null).sort((a, b) => b.round - a.round)[0];
+  document.getElementById("card-eval").textContent = lastEval ? fmt(lastEval.eval_loss, 4) : "–";
+}
+
+async function loadRuns() {
+  const runs = await getJSON("/api/runs", { limit: PAGE });
+  const select = document.getElementById("run-select");
+  const wanted = new URLSearchParams(window.location.search).get("run") || state.runId || runs.default_run_id;
+  select.replaceChildren(...runs.items.map((r) => {
+    const opt = document.createElement("option");
+    opt.value = opt.textContent = r.run_id;
+    return opt;
+  }));
+  select.value = wanted;
+  if (state.runId !== wanted) selectRun(wanted);
+}
+
+function selectRun(runId) {
+  Object.assign(state, { runId, metricsCursor: null, metrics: [], rounds: [], peers: [] });
+}
+
+async function refresh() {
+  try {
+    if (state.refreshes % 10 === 0 || state.runId === null) await loadRuns();
+    const run = state.runId;
+    const [peers, rounds, metrics] = await Promise.all([
+      getAll("/api/peers", { run_id: run }),
+      getAll("/api/rounds", { run_id: run }),
+      getAll("/api/metrics", { run_id: run }, state.metricsCursor),
+    ]);
+    if (run !== state.runId) return;  // the user switched runs meanwhile
+    state.peers = peers.items;
+    state.rounds = rounds.items;
+    state.metrics = state.metrics.concat(metrics.items);
+    state.metricsCursor = metrics.cursor;
+    updateCharts();
+    updateTables();
+    updateCards();
+    state.refreshes += 1;
+    state.lastError = null;
+    document.getElementById("status").textContent = `updated ${new Date().toLocaleTimeString()}`;
+  } catch (err) {
+    state.lastError = String(err);
+    document.getElementById("status").textContent = `coordinator unreachable (${err.message}); retrying…`;
+  } finally {
+    setTimeout(refresh, REFRESH_MS);
+  }
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  initCharts();
+  document.getElementById("run-select").addEventListener("change", (e) => {
+    selectRun(e.target.value);
+    const url = new URL(window.location.href);
+    url.searchParams.set("run", e.target.value);
+    window.history.replaceState(null, "", url);
+  });
+  refresh();
+});

@@ -1,0 +1,113 @@
+"""SQLite store: pragmas, migrations, integrity check, atomic and idempotent ingest, pagination."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from _coordinator_helpers import hello_body, make_identities, metrics_body, round_body
+from coordinator.migrations import MIGRATIONS
+from coordinator.store import SQLiteStore, StoreError
+from protocol.reports import build_report, content_hash
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _add(store: SQLiteStore, report) -> dict:  # type: ignore[no-untyped-def]
+    return store.add_report(report, content_hash=content_hash(report.to_json()), received_at=report.timestamp).response
+
+
+def test_pragmas_and_migrations(tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path / "db.sqlite")
+    conn = store._conn
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS)
+    assert store.integrity_check() == "ok"
+    store.close()
+    SQLiteStore(tmp_path / "db.sqlite").close()  # reopening does not re-run migrations
+
+
+def test_newer_schema_and_damaged_files_are_refused(tmp_path: Path) -> None:
+    db = tmp_path / "new.sqlite"
+    conn = sqlite3.connect(db)
+    conn.execute(f"PRAGMA user_version={len(MIGRATIONS) + 5}")
+    conn.close()
+    with pytest.raises(StoreError, match="upgrade swarmloco"):
+        SQLiteStore(db)
+    junk = tmp_path / "junk.sqlite"
+    junk.write_bytes(b"this is not a database" * 100)
+    with pytest.raises(StoreError):
+        SQLiteStore(junk)
+
+
+def test_ingest_is_idempotent_and_persistent(tmp_path: Path) -> None:
+    (a, b) = make_identities(tmp_path / "ids", 2)
+    store = SQLiteStore(tmp_path / "db.sqlite")
+    reports = [
+        build_report(a, "run", "hello", hello_body()),
+        build_report(a, "run", "metrics", metrics_body(1)),
+        build_report(a, "run", "round", round_body(1, [a.peer_id, b.peer_id])),
+        build_report(b, "run", "round", round_body(1, [a.peer_id, b.peer_id])),
+        build_report(b, "run", "round", round_body(2, [b.peer_id], outcome="discarded", failure_reason="x")),
+    ]
+    answers = [_add(store, r) for r in reports]
+    again = [_add(store, r) for r in reports]
+    assert answers == again
+    counts = store.counts()
+    assert counts["reports"] == 5 and counts["metrics"] == 1 and counts["rounds"] == 2
+    assert counts["round_reports"] == 3 and counts["peers"] == 2
+    store.close()
+    store = SQLiteStore(tmp_path / "db.sqlite")
+    rounds = store.list_rounds(run_id="run", peer_id=None, limit=10, cursor=None, descending=False).items
+    assert [r["round"] for r in rounds] == [1, 2]
+    assert sorted(rounds[0]["reporters"]) == sorted([a.peer_id, b.peer_id])
+    assert rounds[1]["state_hash"] is None and rounds[1]["failure_reasons"] == ["x"]
+    assert store.rounds_by_outcome() == {"committed": 1, "discarded": 1}
+    peers = {p["peer_id"]: p for p in store.list_peers(run_id="run", peer_id=None, limit=10, cursor=None,
+                                                         descending=False).items}
+    assert peers[a.peer_id]["device"] == "cpu" and peers[a.peer_id]["rounds_committed"] == 1
+    assert peers[a.peer_id]["tokens_total"] == 256
+    store.close()
+
+
+def test_failed_ingest_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (a,) = make_identities(tmp_path / "ids", 1)
+    store = SQLiteStore(tmp_path / "db.sqlite")
+    before = store.counts()
+
+    def boom(*_: object) -> None:
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(store, "_apply_round", boom)
+    with pytest.raises(RuntimeError):
+        _add(store, build_report(a, "run", "round", round_body(1, [a.peer_id])))
+    assert store.counts() == before
+    monkeypatch.undo()
+    _add(store, build_report(a, "run", "round", round_body(1, [a.peer_id])))
+    assert store.counts()["rounds"] == 1
+    store.close()
+
+
+def test_pagination_and_filters(tmp_path: Path) -> None:
+    (a, b) = make_identities(tmp_path / "ids", 2)
+    store = SQLiteStore(tmp_path / "db.sqlite")
+    for step in range(25):
+        for who in (a, b):
+            _add(store, build_report(who, "run", "metrics", metrics_body(step)))
+    _add(store, build_report(a, "other", "metrics", metrics_body(0)))
+    seen, cursor = [], None
+    while True:
+        page = store.list_metrics(run_id="run", peer_id=a.peer_id, limit=10, cursor=cursor, descending=False)
+        seen += page.items
+        if page.next_cursor is None:
+            break
+        cursor = page.next_cursor
+    assert [m["step"] for m in seen] == list(range(25))
+    assert all(m["peer_id"] == a.peer_id and m["run_id"] == "run" for m in seen)
+    desc = store.list_metrics(run_id=None, peer_id=None, limit=3, cursor=None, descending=True)
+    assert desc.items[0]["run_id"] == "other" and desc.next_cursor == desc.items[-1]["id"]
+    assert {r["run_id"] for r in store.list_runs(limit=10, cursor=None, descending=False).items} == {"run", "other"}
+    store.close()
