@@ -1,4 +1,72 @@
-"""stub"""
+"""`bench join`: a late joiner fetching the verified global state (θ + outer momentum, fp32) of a preset model from
+1 and from 3 donors, against the time to move the same bytes over plain TCP on loopback (one sender per donor).
+
+The baseline is measured now (`scripts.bench_net.socket_seconds`: sender and receiver processes, timed from "all
+connected, go" until the receiver holds every byte). Ours calls `protocol.bench_hooks.join_seconds(preset, donors)`
+lazily: seconds from the joiner's first state request to holding a hash-verified state; null when missing.
+"""
+from __future__ import annotations
+
 import argparse
-def add_arguments(p: argparse.ArgumentParser) -> None: ...
-def run(args: argparse.Namespace) -> int: return 1
+import logging
+from typing import Any
+
+from scripts.bench_common import NOT_AVAILABLE, load_hook, median, ratio, table, write_json
+from scripts.bench_net import socket_seconds
+
+logger = logging.getLogger(__name__)
+
+
+def state_bytes(preset: str) -> tuple[int, int]:
+    """(parameters, bytes of fp32 θ + fp32 outer momentum) for a preset of the default task."""
+    from scripts.bench_comm import model_shapes
+
+    params = sum(model_shapes(preset)[0])
+    return params, 2 * 4 * params
+
+
+def ours_join(preset: str, donors: int, reps: int) -> tuple[list[float] | None, str]:
+    hook, why = load_hook("join_seconds")
+    if hook is None:
+        return None, why
+    try:
+        times = [float(hook(preset, donors)) for _ in range(reps)]
+    except Exception as exc:
+        logger.exception("join_seconds(%r, %d) failed", preset, donors)
+        return None, f"failed: {exc!r}"
+    return (times, "") if all(t > 0 for t in times) else (None, f"hook returned invalid times {times}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="base", help="model preset whose θ + momentum the joiner fetches")
+    p.add_argument("--donors", type=int, nargs="+", default=[1, 3], help="donor counts to try")
+    p.add_argument("--reps", type=int, default=3, help="repetitions per measurement (median reported)")
+    p.add_argument("--timeout", type=float, default=300, help="seconds allowed per socket transfer")
+
+
+def run(args: argparse.Namespace) -> int:
+    preset, donor_counts, reps = ("tiny", [1, 3], 3) if args.quick else (args.preset, args.donors, max(1, args.reps))
+    params, nbytes = state_bytes(preset)
+    rows, notes, results = [], [], {}
+    for donors in donor_counts:
+        sock = [socket_seconds(nbytes, streams=donors, timeout=args.timeout) for _ in range(reps)]
+        ours, why = ours_join(preset, donors, reps)
+        if why:
+            notes.append(f"ours ({donors} donors): {why}")
+        entry: dict[str, Any] = {"donors": donors, "bytes": nbytes, "socket_s": median(sock), "socket_all_s": sock,
+                                 "socket_mib_s": nbytes / median(sock) / 2**20, "ours_s": median(ours), "ours_note": why or None}
+        entry["ours_vs_socket"] = ratio(entry["ours_s"], entry["socket_s"])
+        results[str(donors)] = entry
+        rows.append([donors, nbytes / 2**20, entry["socket_s"], entry["socket_mib_s"],
+                     "not available" if why == NOT_AVAILABLE else entry["ours_s"], entry["ours_vs_socket"]])
+    if any(n.endswith(NOT_AVAILABLE) for n in notes):
+        print(f"ours: {NOT_AVAILABLE}")
+    notes = list(dict.fromkeys(notes)) + [
+        f"preset {preset}: {params:,} parameters; state = fp32 θ + fp32 outer momentum = {nbytes:,} bytes",
+        f"plain socket: one TCP connection per donor on 127.0.0.1, each sending 1/donors of the bytes; median of {reps}",
+        "ours = protocol.bench_hooks.join_seconds: first request → hash-verified state held by the joiner",
+    ]
+    print(table("join: fetching the global state, seconds", ["donors", "MiB", "plain socket s", "socket MiB/s", "ours s",
+                                                             "ours/socket"], rows, notes))
+    write_json(args.json, {"benchmark": "join", "quick": bool(args.quick), "preset": preset, "params": params, "results": results})
+    return 0
