@@ -174,15 +174,11 @@ class _StoreCollector:
         tokens = CounterMetricFamily("swarmloco_tokens", "Tokens processed by all peers (latest report per peer)")
         tokens.add_metric([], store.tokens_total())
         yield tokens
-        durations = store.round_durations()
-        buckets, acc = [], 0
-        for edge in DURATION_BUCKETS:
-            acc = sum(1 for d in durations if d <= edge)
-            buckets.append((repr(float(edge)), acc))
-        buckets.append(("+Inf", len(durations)))
+        counts, total, seconds = store.round_duration_histogram(DURATION_BUCKETS)
+        buckets = [(repr(float(edge)), n) for edge, n in zip(DURATION_BUCKETS, counts)] + [("+Inf", total)]
         hist = HistogramMetricFamily("swarmloco_round_duration_seconds",
                                      "Per-peer round duration (train + wait + average)")
-        hist.add_metric([], buckets, sum_value=sum(durations))
+        hist.add_metric([], buckets, sum_value=seconds)
         yield hist
         reports = CounterMetricFamily("swarmloco_reports", "Reports stored")
         reports.add_metric([], store.counts()["reports"])

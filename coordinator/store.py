@@ -62,7 +62,7 @@ class Store(Protocol):
     def peers_online(self, since: float) -> int: ...
     def rounds_by_outcome(self) -> dict[str, int]: ...
     def tokens_total(self) -> int: ...
-    def round_durations(self) -> list[float]: ...
+    def round_duration_histogram(self, edges: Sequence[float]) -> tuple[list[int], int, float]: ...
     def counts(self) -> dict[str, int]: ...
     def integrity_check(self) -> str: ...
     def close(self) -> None: ...
@@ -321,10 +321,14 @@ class SQLiteStore:
     def tokens_total(self) -> int:
         return int(self._scalar("SELECT COALESCE(SUM(tokens_total), 0) FROM peers"))
 
-    def round_durations(self) -> list[float]:
+    def round_duration_histogram(self, edges: Sequence[float]) -> tuple[list[int], int, float]:
+        """Cumulative counts of per-peer round durations <= each edge, the total count and the sum."""
+        cases = ", ".join("COALESCE(SUM(d <= ?), 0)" for _ in edges)
+        sql = (f"SELECT {cases}{', ' if cases else ''}COUNT(*), COALESCE(SUM(d), 0.0) "
+               "FROM (SELECT train_s + wait_s + average_s AS d FROM round_reports)")
         with self._lock:
-            rows = self._conn.execute("SELECT train_s + wait_s + average_s FROM round_reports").fetchall()
-        return [float(r[0]) for r in rows]
+            row = self._conn.execute(sql, list(edges)).fetchone()
+        return [int(x) for x in row[:len(edges)]], int(row[len(edges)]), float(row[len(edges) + 1])
 
     def counts(self) -> dict[str, int]:
         return {t: int(self._scalar(f"SELECT COUNT(*) FROM {t}")) for t in _TABLES}

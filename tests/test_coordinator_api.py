@@ -125,7 +125,7 @@ def _signed_raw(mutate: Callable[[dict[str, Any]], None]) -> Callable[[list[Iden
     def make(ids: list[Identity]) -> bytes:
         obj = build_report(ids[0], "run", "metrics", metrics_body(1)).to_json()
         mutate(obj)
-        obj["signature"] = ids[0].sign(canonical_bytes({**obj, **{k: obj.get(k) for k in ("body",)}})).hex()
+        obj["signature"] = ids[0].sign(canonical_bytes(obj)).hex()
         return json.dumps(obj).encode()
     return make
 

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from _coordinator_helpers import hello_body, make_identities, metrics_body, round_body
 from coordinator.migrations import MIGRATIONS
 from coordinator.store import SQLiteStore, StoreError
-from protocol.reports import build_report, content_hash
+from protocol.reports import Report, build_report, content_hash
 
 pytestmark = pytest.mark.timeout(30)
 
 
-def _add(store: SQLiteStore, report) -> dict:  # type: ignore[no-untyped-def]
+def _add(store: SQLiteStore, report: Report) -> dict[str, Any]:
     return store.add_report(report, content_hash=content_hash(report.to_json()), received_at=report.timestamp).response
 
 
@@ -66,6 +67,7 @@ def test_ingest_is_idempotent_and_persistent(tmp_path: Path) -> None:
     assert sorted(rounds[0]["reporters"]) == sorted([a.peer_id, b.peer_id])
     assert rounds[1]["state_hash"] is None and rounds[1]["failure_reasons"] == ["x"]
     assert store.rounds_by_outcome() == {"committed": 1, "discarded": 1}
+    assert store.round_duration_histogram([1.0, 4.75, 100.0]) == ([0, 3, 3], 3, 3 * 4.75)
     peers = {p["peer_id"]: p for p in store.list_peers(run_id="run", peer_id=None, limit=10, cursor=None,
                                                          descending=False).items}
     assert peers[a.peer_id]["device"] == "cpu" and peers[a.peer_id]["rounds_committed"] == 1
