@@ -1,0 +1,99 @@
+"""Smoke test of the benchmark harness: every `scripts.bench` subcommand with --quick prints a table and writes
+sane JSON (positive times, finite ratios, losses below ln 256). Checks sanity, never speed."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from scripts.bench_common import descendants
+
+ROOT = Path(__file__).resolve().parents[1]
+LN256 = math.log(256)
+
+
+def run_bench(args: list[str], tmp_path: Path, timeout: float) -> tuple[str, dict[str, Any]]:
+    out = tmp_path / "out.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "scripts.bench", *args, "--quick", "--json", str(out)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        for pid in descendants(proc.pid) + [proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait(10)
+    assert proc.returncode == 0, f"bench {args[0]} exited {proc.returncode}:\n{stderr[-3000:]}"
+    assert "| " in stdout and "|---" in stdout, f"no table printed:\n{stdout}"
+    return stdout, json.loads(out.read_text())
+
+
+def positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def none_or_positive(x: Any) -> bool:
+    return x is None or positive(x)
+
+
+@pytest.mark.timeout(120)
+def test_allreduce_quick(tmp_path: Path) -> None:
+    stdout, data = run_bench(["allreduce"], tmp_path, 110)
+    entry = data["results"]["1"]["2"]
+    assert positive(entry["gloo_s"]) and positive(entry["hivemind_s"]) and positive(entry["hivemind_step_s"])
+    assert positive(entry["hivemind_vs_gloo"])
+    assert none_or_positive(entry["ours_s"]) and none_or_positive(entry["ours_vs_gloo"])
+    if entry["ours_s"] is None:
+        assert entry["ours_note"] and "ours" in stdout
+
+
+@pytest.mark.timeout(120)
+def test_quality_quick(tmp_path: Path) -> None:
+    _, data = run_bench(["quality"], tmp_path, 110)
+    runs = data["runs"]
+    assert {r["kind"] for r in runs} == {"dp", "diloco"} and any(r["warm"] for r in runs)
+    assert len({r["tokens"] for r in runs}) == 1, "every run must see the same number of tokens"
+    for r in runs:
+        assert math.isfinite(r["eval_loss"]) and 0 < r["eval_loss"] < LN256, r
+        assert positive(r["ratio_to_dp"]) and positive(r["seconds"])
+    assert "simulation" in data["mode"]
+
+
+@pytest.mark.timeout(60)
+def test_comm_quick(tmp_path: Path) -> None:
+    _, data = run_bench(["comm"], tmp_path, 55)
+    tiny = data["results"]["tiny"]
+    assert positive(tiny["dp_bytes_per_token"])
+    ratios = {c: v["dp_over_diloco"]["100"] for c, v in tiny["codecs"].items()}
+    assert ratios["fp32"] == pytest.approx(100.0)
+    assert ratios["fp32"] < ratios["fp16"] < ratios["int8"] < ratios["int4"] < 800
+
+
+@pytest.mark.timeout(90)
+def test_join_quick(tmp_path: Path) -> None:
+    _, data = run_bench(["join"], tmp_path, 85)
+    for entry in data["results"].values():
+        assert positive(entry["socket_s"]) and positive(entry["socket_mib_s"])
+        assert none_or_positive(entry["ours_s"])
+
+
+@pytest.mark.timeout(90)
+def test_utilisation_quick(tmp_path: Path) -> None:
+    _, data = run_bench(["utilisation"], tmp_path, 85)
+    check = data["shaped_link_check"]
+    if check is None:
+        assert data["shaped_link_note"], "a skipped shaped-link check must say why"
+    else:
+        assert 0 < check["mbit_s"] < 150, f"link shaped to 100 Mbit/s measured {check['mbit_s']:.0f} Mbit/s"
+    for run in data["runs"]:
+        assert run["result"] is not None or run["note"]
