@@ -22,7 +22,7 @@ from coordinator.server import CoordinatorConfig, CoordinatorServer
 from coordinator.service import ServiceConfig
 from coordinator.store import StoreError
 
-__all__ = ["add_coordinator_arguments", "run_coordinator", "add_status_arguments", "run_status"]
+__all__ = ["add_coordinator_arguments", "add_status_arguments", "run_coordinator", "run_status"]
 
 
 def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:

@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import uvicorn
 
@@ -151,7 +151,7 @@ class CoordinatorServer:
         finally:
             self._cleanup()
 
-    def start(self, timeout: float = 30.0) -> "CoordinatorServer":
+    def start(self, timeout: float = 30.0) -> Self:
         """Serve in a background thread; returns once connections are accepted."""
         if self.config.dht:
             self.start_dht()
@@ -179,7 +179,7 @@ class CoordinatorServer:
         finally:
             self.store.close()
 
-    def __enter__(self) -> "CoordinatorServer":
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -13,14 +13,15 @@ import json
 import logging
 import sqlite3
 import threading
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Protocol
 
 from coordinator.migrations import MIGRATIONS
 from protocol.reports import Report
 
-__all__ = ["Page", "Store", "StoreError", "SQLiteStore", "StoredReport"]
+__all__ = ["Page", "SQLiteStore", "Store", "StoreError", "StoredReport"]
 
 logger = logging.getLogger(__name__)
 

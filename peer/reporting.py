@@ -20,8 +20,9 @@ import math
 import random
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import requests
 
@@ -102,7 +103,7 @@ class Reporter:
 
     # -- public API (never blocks) ---------------------------------------------------------------------------
 
-    def start(self) -> "Reporter":
+    def start(self) -> Reporter:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="swarmloco-reporter", daemon=True)
             self._thread.start()

@@ -26,8 +26,8 @@ __all__ = [
     "Identity",
     "IdentityError",
     "load_or_create_identity",
-    "public_key_from_peer_id",
     "peer_id_from_public_key",
+    "public_key_from_peer_id",
     "verify",
 ]
 

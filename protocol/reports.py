@@ -27,8 +27,9 @@ import math
 import re
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from protocol.identity import Identity, verify
 

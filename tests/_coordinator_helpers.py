@@ -62,11 +62,10 @@ def spawn_coordinator(db: Path, ready: Path, *extra: str, port: int = 0,
                       timeout: float = 60.0) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     """Start ``python -m coordinator`` and wait for its ready file; returns the process and the file's JSON."""
     ready.unlink(missing_ok=True)
-    log = open(ready.with_suffix(".log"), "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "coordinator", "--db", str(db), "--port", str(port),
-                             "--ready-file", str(ready), "--log-level", "WARNING", *extra],
-                            cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
-    log.close()
+    with open(ready.with_suffix(".log"), "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "coordinator", "--db", str(db), "--port", str(port),
+                                 "--ready-file", str(ready), "--log-level", "WARNING", *extra],
+                                cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:

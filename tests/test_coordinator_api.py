@@ -6,13 +6,14 @@ import json
 import pickle
 import random
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 import requests
-
 from _coordinator_helpers import hello_body, make_identities, metrics_body, round_body, start_server
+
 from coordinator.server import CoordinatorServer
 from protocol.identity import Identity
 from protocol.reports import build_report, canonical_bytes
@@ -55,7 +56,7 @@ def test_ingest_and_listings(server: CoordinatorServer, ids: list[Identity]) -> 
     assert post(server, build_report(ids[0], "run", "round", round_body(
         2, members[:2], outcome="discarded", failure_reason="peer left mid all-reduce")).encode()).status_code == 200
 
-    get = lambda path, **params: requests.get(server.url + path, params=params, timeout=10).json()  # noqa: E731
+    get = lambda path, **params: requests.get(server.url + path, params=params, timeout=10).json()
     assert get("/api/runs")["default_run_id"] == "run"
     peers = get("/api/peers", run_id="run")["items"]
     assert len(peers) == 3 and all(p["online"] and p["device"] == "cpu" for p in peers)

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import requests
-
 from _coordinator_helpers import (
     ROOT,
     alive,
@@ -26,6 +25,7 @@ from _coordinator_helpers import (
     spawn_coordinator,
     start_server,
 )
+
 from coordinator.cli import add_coordinator_arguments, add_status_arguments, run_status
 from protocol.reports import build_report
 
@@ -72,7 +72,7 @@ def test_process_with_dht_ready_file_and_clean_sigterm(tmp_path: Path) -> None:
 
 def test_bad_arguments_exit_2(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "coordinator", "--db", str(tmp_path / "no" / "x.sqlite"),
-                             "--no-dht"], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=60)
+                             "--no-dht"], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 2 and "does not exist" in result.stderr
 
 

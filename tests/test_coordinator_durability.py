@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from _coordinator_helpers import kill, make_identities, round_body, spawn_coordinator
+
 from peer.reporting import Reporter, ReporterConfig
 from protocol.reports import Report
 
@@ -58,7 +58,8 @@ def test_sigkill_mid_stream_loses_nothing_acknowledged(tmp_path: Path) -> None:
             acked_before_kill = dict(acked)
         assert len(acked_before_kill) >= 40
         time.sleep(0.5)  # peers keep producing into their buffers meanwhile
-        proc, info2 = spawn_coordinator(db, ready, "--no-dht", "--run-id", "durable", port=info["port"])
+        proc, again = spawn_coordinator(db, ready, "--no-dht", "--run-id", "durable", port=info["port"])
+        assert again["url"] == info["url"]
         for t in producers:
             t.join(timeout=60)
         for r in reporters:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import http.server
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
-
 from _coordinator_helpers import make_identities, round_body, start_server
+
 from peer.reporting import Reporter, ReporterConfig
 from protocol.identity import Identity
 from protocol.reports import Report
@@ -88,7 +88,7 @@ def test_coordinator_down_then_up(tmp_path: Path, ids: list[Identity]) -> None:
 class _SlowHandler(http.server.BaseHTTPRequestHandler):
     delay = 3.0
 
-    def do_POST(self) -> None:  # noqa: N802 - http.server API
+    def do_POST(self) -> None:
         time.sleep(self.delay)
         self.send_response(503)
         self.end_headers()

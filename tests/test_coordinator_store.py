@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from _coordinator_helpers import hello_body, make_identities, metrics_body, round_body
+
 from coordinator.migrations import MIGRATIONS
 from coordinator.store import SQLiteStore, StoreError
 from protocol.reports import Report, build_report, content_hash

@@ -9,13 +9,14 @@ from __future__ import annotations
 import math
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import requests
-
 from _coordinator_helpers import ROOT, hello_body, make_identities, start_server
+
 from coordinator.server import CoordinatorServer
 from protocol.reports import build_report
 
@@ -112,7 +113,7 @@ def test_dashboard_shows_run(fed_server: CoordinatorServer, tmp_path: Path) -> N
             pytest.fail("dashboard never completed a refresh: "
                         + str(driver.execute_script("return window.swarmloco && window.swarmloco.lastError")))
 
-        lengths = lambda chart: driver.execute_script(  # noqa: E731
+        lengths = lambda chart: driver.execute_script(
             f"return window.swarmlocoCharts.{chart}.data.datasets.map(d => d.data.length)")
         assert lengths("train") == [ROUNDS * STEPS_PER_ROUND] * PEERS
         assert lengths("eval") == [ROUNDS - 1]  # the discarded round adds no committed tokens or eval point

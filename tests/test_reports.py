@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import pickle
-from pathlib import Path
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
-
 from _coordinator_helpers import hello_body, make_identities, metrics_body, round_body
+
 from protocol.identity import Identity
 from protocol.reports import (
     MAX_MEMBERS,
