@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from peer import config as config_mod
+from peer import swarm_config  # noqa: F401  (registers the [network] and [round] sections)
 from peer.checkpoint import CheckpointError
 from peer.data import ShardSpec
 from peer.replica import Replica
@@ -54,9 +55,13 @@ def run_peer(args: argparse.Namespace) -> int:
 
             summary = run_solo(replica, cfg, stop=stop)
         else:
-            from peer.swarm_runner import run_swarm_peer
+            from peer.swarm_runner import IncompatibleSwarm, run_swarm_peer
 
-            summary = run_swarm_peer(replica, cfg, stop=stop)
+            try:
+                summary = run_swarm_peer(replica, cfg, stop=stop)
+            except IncompatibleSwarm as exc:
+                logger.error("refused: %s", exc)
+                return 3
         write_summary(run.summary_json, summary)
         return 0
     except (config_mod.ConfigError, CheckpointError, FileNotFoundError) as exc:

@@ -14,6 +14,7 @@ class StopFlag:
     def __init__(self) -> None:
         self.event = threading.Event()
         self._previous: dict[int, object] = {}
+        self._pid = os.getpid()
 
     def __bool__(self) -> bool:
         return self.event.is_set()
@@ -24,6 +25,11 @@ class StopFlag:
         self.event.set()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self._pid:
+            # A forked helper (hivemind's DHT process) inherited this handler: behave like a default process.
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         if self.event.is_set():
             logger.warning("second %s: exiting immediately", signal.Signals(signum).name)
             os._exit(130)

@@ -1,0 +1,196 @@
+"""A swarm node: hivemind's DHT (in its own process, with the p2pd daemon), a P2P replica, and an asyncio loop on a
+background thread that serves our stream protocols while the training thread keeps the accelerator busy.
+
+The training thread talks to the loop only through `submit` / `call` (thread-safe futures with timeouts).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import hivemind
+from hivemind.utils import get_dht_time
+from hivemind.p2p import P2P, PeerID
+
+from protocol.records import PeerRecord, peers_key
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+StreamHandler = Callable[[Any, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetworkConfig:
+    """How this peer reaches the swarm (all hivemind/libp2p options that matter to users)."""
+
+    run_id: str = "swarmloco"
+    initial_peers: tuple[str, ...] = ()
+    host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
+    announce_maddrs: tuple[str, ...] = ()
+    identity: str | None = None
+    client_mode: bool = False
+    use_relay: bool = True
+    use_auto_relay: bool = False
+    record_ttl_s: float = 20.0
+    heartbeat_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.run_id or len(self.run_id) > 64 or not all(c.isalnum() or c in "-_." for c in self.run_id):
+            raise ValueError(f"run_id: got {self.run_id!r}, allowed 1-64 characters of letters, digits, '-', '_', '.'")
+        for maddr in (*self.initial_peers, *self.host_maddrs, *self.announce_maddrs):
+            if not maddr.startswith("/"):
+                raise ValueError(f"multiaddr: got {maddr!r}, allowed a multiaddr such as /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...")
+        if not 1.0 <= self.record_ttl_s <= 3600:
+            raise ValueError(f"record_ttl_s: got {self.record_ttl_s}, allowed 1 .. 3600")
+        if not 0.1 <= self.heartbeat_s < self.record_ttl_s:
+            raise ValueError(f"heartbeat_s: got {self.heartbeat_s}, allowed 0.1 .. record_ttl_s ({self.record_ttl_s})")
+
+
+class SwarmNode:
+    """Owns the DHT, the P2P replica and the loop thread; publishes this peer's record on a heartbeat."""
+
+    def __init__(self, net: NetworkConfig) -> None:
+        self.net = net
+        self.dht: hivemind.DHT | None = None
+        self.p2p: P2P | None = None
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="swarm-loop", daemon=True)
+        self._record: PeerRecord | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._handlers: list[str] = []
+
+    # --- lifecycle ------------------------------------------------------------------------------------------------
+    def start(self, *, timeout: float = 120.0) -> None:
+        kwargs: dict[str, Any] = dict(
+            initial_peers=list(self.net.initial_peers),
+            host_maddrs=list(self.net.host_maddrs),
+            client_mode=self.net.client_mode,
+            use_relay=self.net.use_relay,
+            use_auto_relay=self.net.use_auto_relay,
+            start=True,
+        )
+        if self.net.announce_maddrs:
+            kwargs["announce_maddrs"] = list(self.net.announce_maddrs)
+        if self.net.identity:
+            # The identity file is ours (Ed25519, libp2p format); hivemind's own "is it taken" probe only reads RSA.
+            kwargs.update(identity_path=self.net.identity, check_if_identity_free=False)
+        self.dht = hivemind.DHT(**kwargs)
+        self._thread.start()
+        self.p2p = self.call(self.dht.replicate_p2p(), timeout=timeout)
+        self._heartbeat = self.call(self._start_heartbeat(), timeout=timeout)
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    async def _start_heartbeat(self) -> asyncio.Task[None]:
+        return asyncio.create_task(self._heartbeat_loop())
+
+    def shutdown(self, *, timeout: float = 15.0) -> None:
+        if self._thread.is_alive():
+            try:
+                self.call(self._async_shutdown(), timeout=timeout)
+            except (concurrent.futures.TimeoutError, RuntimeError) as exc:
+                logger.warning("swarm loop did not stop cleanly: %r", exc)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout)
+        if self.dht is not None:
+            self.dht.shutdown()  # stops the DHT process and its p2pd daemon
+            self.dht = None
+
+    async def _async_shutdown(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        if self.p2p is not None:
+            for name in self._handlers:
+                try:
+                    await asyncio.wait_for(self.p2p.remove_binary_stream_handler(name), 5)
+                except Exception as exc:  # noqa: BLE001 - best effort while shutting down
+                    logger.debug("removing handler %s: %r", name, exc)
+            await self.p2p.shutdown()
+        pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in pending:
+            task.cancel()
+
+    # --- bridging the training thread and the loop ----------------------------------------------------------------
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, coro: Coroutine[Any, Any, T], *, timeout: float) -> T:
+        future = self.submit(coro)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise
+
+    # --- identity, addresses, handlers ----------------------------------------------------------------------------
+    @property
+    def peer_id(self) -> str:
+        assert self.dht is not None
+        return self.dht.peer_id.to_base58()
+
+    def visible_maddrs(self) -> list[str]:
+        assert self.dht is not None
+        return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    async def add_handler(self, name: str, handler: StreamHandler) -> None:
+        assert self.p2p is not None
+        await self.p2p.add_binary_stream_handler(name, handler)
+        self._handlers.append(name)
+
+    async def open_stream(self, peer_id: str, name: str, *, timeout: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        assert self.p2p is not None
+        _, reader, writer = await asyncio.wait_for(self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name), timeout)
+        return reader, writer
+
+    # --- the peer record ------------------------------------------------------------------------------------------
+    def set_record(self, record: PeerRecord) -> None:
+        """Replace this peer's record and publish it now (thread-safe; the heartbeat republishes it)."""
+        self._record = record
+        asyncio.run_coroutine_threadsafe(self._publish(), self.loop)
+
+    def update_record(self, **changes: Any) -> None:
+        assert self._record is not None
+        from dataclasses import replace
+
+        self.set_record(replace(self._record, **changes))
+
+    async def _publish(self) -> None:
+        record, dht = self._record, self.dht
+        if record is None or dht is None:
+            return
+        expiration = get_dht_time() + self.net.record_ttl_s
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(
+                None, lambda: dht.store(peers_key(self.net.run_id), record.to_value(), expiration, subkey=self.peer_id)
+            )
+        except Exception as exc:  # noqa: BLE001 - the DHT may be briefly unreachable; the heartbeat retries
+            logger.warning("publishing our DHT record failed (will retry): %r", exc)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await self._publish()
+            await asyncio.sleep(self.net.heartbeat_s)
+
+    async def fetch_records(self, *, timeout: float = 10.0) -> dict[str, PeerRecord]:
+        """Every live, well-formed record of this run (malformed ones are dropped, never trusted)."""
+        dht = self.dht
+        assert dht is not None
+        loop = asyncio.get_running_loop()
+        found = await asyncio.wait_for(loop.run_in_executor(None, lambda: dht.get(peers_key(self.net.run_id), latest=True)), timeout)
+        records: dict[str, PeerRecord] = {}
+        if found is None or not isinstance(found.value, dict):
+            return records
+        for subkey, item in found.value.items():
+            value = getattr(item, "value", None)
+            record = PeerRecord.parse(value)
+            if isinstance(subkey, str) and record is not None and len(subkey) < 128:
+                records[subkey] = record
+        return records

@@ -1,0 +1,128 @@
+"""State download: donors serve the flattened global state; a joiner fetches it (from several donors in parallel
+when it can), verifies it against the hash the swarm agreed on, and falls back donor by donor when a part is bad.
+
+The served blob is θ then m, fp32, in the model's canonical parameter order; what it means is the peer's business —
+the protocol only moves bytes and calls the peer's `verify(blob) -> hash` before accepting anything.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from protocol import swarmloco_wire_pb2 as pb
+from protocol.node import SwarmNode
+from protocol.records import PROTOCOL_VERSION
+from protocol.wire import WireError, close_writer, read_frame, write_frame
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServedState:
+    round: int
+    state_hash: str
+    blob: bytes
+
+
+class StateSyncError(RuntimeError):
+    pass
+
+
+class StateServer:
+    """Serves this peer's current global state, at most `max_concurrent` downloads at a time."""
+
+    def __init__(self, node: SwarmNode, fingerprint: str, *, max_concurrent: int = 4, timeout_s: float = 120.0) -> None:
+        self.node, self.fingerprint, self.timeout_s = node, fingerprint, timeout_s
+        self.handler_name = f"swarmloco/{node.net.run_id}/state/v{PROTOCOL_VERSION}"
+        self.state: ServedState | None = None
+        self._slots = asyncio.Semaphore(max_concurrent)
+        self.tamper: Callable[[bytes], bytes] | None = None  # test hook: a lying donor (fault matrix row 13)
+
+    async def register(self) -> None:
+        await self.node.add_handler(self.handler_name, self._handle)
+
+    def publish(self, state: ServedState) -> None:
+        self.state = state  # a single reference swap: readers see the old or the new blob, never a mix
+
+    async def _handle(self, info: object, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            req, _ = await read_frame(reader, pb.StateRequest, max_payload=0, timeout=10)
+            state = self.state
+            if req.run_id != self.node.net.run_id or req.fingerprint != self.fingerprint:
+                await write_frame(writer, pb.StateHeader(ok=False, message="run id or model fingerprint differs"), timeout=10)
+                return
+            if state is None:
+                await write_frame(writer, pb.StateHeader(ok=False, message="no state yet"), timeout=10)
+                return
+            if self._slots.locked():
+                await write_frame(writer, pb.StateHeader(ok=False, message="busy: too many downloads"), timeout=10)
+                return
+            async with self._slots:
+                total = len(state.blob)
+                start = min(req.offset, total)
+                end = total if req.length == 0 else min(total, start + req.length)
+                blob = state.blob if self.tamper is None else self.tamper(state.blob)
+                header = pb.StateHeader(ok=True, round=state.round, state_hash=state.state_hash, total_bytes=total, offset=start)
+                await write_frame(writer, header, memoryview(blob)[start:end], timeout=self.timeout_s)
+                await asyncio.wait_for(reader.read(1), self.timeout_s)  # wait for the client to close: all bytes arrived
+        except (WireError, asyncio.TimeoutError, ConnectionError) as exc:
+            logger.debug("state download by a peer ended: %r", exc)
+        finally:
+            close_writer(writer)
+
+
+async def _fetch(node: SwarmNode, name: str, donor: str, fingerprint: str, offset: int, length: int, *, expect_round: int,
+                 expect_hash: str, total: int, timeout: float) -> bytearray:
+    reader, writer = await node.open_stream(donor, name, timeout=15)
+    try:
+        await write_frame(writer, pb.StateRequest(run_id=node.net.run_id, fingerprint=fingerprint, offset=offset, length=length), timeout=10)
+        header, body = await read_frame(reader, pb.StateHeader, max_payload=total, timeout=timeout)
+    finally:
+        close_writer(writer)
+    if not header.ok:
+        raise StateSyncError(f"donor refused: {header.message}")
+    if header.round != expect_round or header.state_hash != expect_hash:
+        raise StateSyncError(f"donor now serves round {header.round}, wanted {expect_round}")
+    if header.total_bytes != total or header.offset != offset or len(body) != (length or total - offset):
+        raise StateSyncError("donor's byte range does not match the request")
+    return body
+
+
+async def download_state(node: SwarmNode, *, donors: list[str], round_number: int, state_hash: str, total_bytes: int,
+                         fingerprint: str, verify: Callable[[bytes], str], max_parallel: int = 4,
+                         timeout: float = 300.0) -> tuple[bytearray, list[str]]:
+    """Fetch and verify the state; returns (blob, donors that failed or lied). Raises StateSyncError."""
+    name = f"swarmloco/{node.net.run_id}/state/v{PROTOCOL_VERSION}"
+    bad: list[str] = []
+    loop = asyncio.get_running_loop()
+    kw = dict(expect_round=round_number, expect_hash=state_hash, total=total_bytes, timeout=timeout)
+    parallel = donors[:max_parallel]
+    if len(parallel) > 1:
+        bounds = [total_bytes * i // len(parallel) for i in range(len(parallel) + 1)]
+        parts = await asyncio.gather(
+            *(_fetch(node, name, d, fingerprint, bounds[i], bounds[i + 1] - bounds[i], **kw) for i, d in enumerate(parallel)),
+            return_exceptions=True,
+        )
+        if all(isinstance(p, bytearray) for p in parts):
+            blob = bytearray().join(parts)  # type: ignore[arg-type]
+            if await loop.run_in_executor(None, verify, bytes(blob)) == state_hash:
+                return blob, bad
+            logger.warning("state assembled from %d donors failed verification; retrying donor by donor", len(parallel))
+    for donor in donors:
+        try:
+            blob = await _fetch(node, name, donor, fingerprint, 0, 0, **kw)
+        except (StateSyncError, WireError, OSError, asyncio.TimeoutError) as exc:
+            logger.info("donor %s failed: %s", donor[-8:], exc)
+            bad.append(donor)
+            continue
+        except Exception as exc:  # noqa: BLE001 - e.g. p2pd cannot reach the donor
+            logger.info("donor %s unreachable: %r", donor[-8:], exc)
+            bad.append(donor)
+            continue
+        if await loop.run_in_executor(None, verify, bytes(blob)) == state_hash:
+            return blob, bad
+        logger.warning("donor %s served state that does not match hash %s…; rejected", donor[-8:], state_hash[:12])
+        bad.append(donor)
+    raise StateSyncError(f"no donor served verified state for round {round_number} ({len(donors)} tried)")
