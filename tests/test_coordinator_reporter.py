@@ -73,7 +73,8 @@ def test_coordinator_down_then_up(tmp_path: Path, ids: list[Identity]) -> None:
     reporter = Reporter(f"http://127.0.0.1:{port}", ids[0], "r", config=FAST).start()
     try:
         worst = _metrics(reporter, 200)
-        assert worst < 0.05, f"a report call took {worst:.3f}s while the coordinator was down"
+        # a blocking call would take at least the 1 s connect timeout; the margin absorbs a loaded 2-core box
+        assert worst < 0.5, f"a report call took {worst:.3f}s while the coordinator was down"
         time.sleep(0.5)
         assert reporter.stats.pending == 200 and reporter.stats.attempts_failed >= 2
         server = start_server(tmp_path / "db.sqlite", run_id="r", port=port)
@@ -114,7 +115,7 @@ def test_slow_coordinator_never_blocks_and_close_respects_timeout(slow_server: s
     reporter = Reporter(slow_server, ids[0], "r", config=FAST).start()
     time.sleep(0.1)
     worst = _metrics(reporter, 100)
-    assert worst < 0.05, f"a report call took {worst:.3f}s while the coordinator was slow"
+    assert worst < 0.5, f"a report call took {worst:.3f}s while the coordinator answers after 3 s"
     t = time.monotonic()
     left = reporter.close(timeout=1.5)
     assert time.monotonic() - t < 3.0
