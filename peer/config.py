@@ -82,6 +82,8 @@ class RunConfig:
     summary_json: str | None = None
     log_format: str = "text"
     slowdown: float = 1.0  # artificial slowdown factor for demos and tests (sleeps after each step)
+    linger_s: float = 0.0  # swarm: keep serving state this long after the last round, for late peers
+    coordinator: str | None = None  # URL of a coordinator to report to (never needed for training)
 
     def __post_init__(self) -> None:
         _check(self.preset in PRESETS, "preset", self.preset, ", ".join(PRESETS))
@@ -93,6 +95,9 @@ class RunConfig:
         _check(self.eval_every >= 1, "eval_every", self.eval_every, ">= 1")
         _check(self.log_format in ("text", "json"), "log_format", self.log_format, "text, json")
         _check(1.0 <= self.slowdown <= 100.0, "slowdown", self.slowdown, "1 .. 100")
+        _check(0.0 <= self.linger_s <= 3600.0, "linger", self.linger_s, "0 .. 3600 seconds")
+        _check(self.coordinator is None or self.coordinator.startswith(("http://", "https://")), "coordinator",
+               self.coordinator, "an http:// or https:// URL")
 
 
 def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
@@ -134,6 +139,8 @@ OPTIONS: list[Option] = [
     Option("--summary-json", "run", "summary_json", "write a JSON summary of the run to this path at the end"),
     Option("--log-format", "run", "log_format", "progress output: text (live bar) or json (one object per line)"),
     Option("--slowdown", "run", "slowdown", "artificial slowdown factor (>=1) to emulate slower hardware"),
+    Option("--linger", "run", "linger_s", "swarm: seconds to keep serving state after the last round"),
+    Option("--coordinator", "run", "coordinator", "coordinator URL to report progress to (optional)"),
     Option("--inner-lr", "train", "lr", "inner AdamW learning rate"),
     Option("--weight-decay", "train", "weight_decay", "inner AdamW weight decay"),
     Option("--beta1", "train", "beta1", "inner AdamW beta1"),

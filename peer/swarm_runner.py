@@ -213,7 +213,11 @@ class SwarmPeer:
         entry = {k: v for k, v in entry.items() if v is not None}
         self.history.append(entry)
         shown = {k: (v[:16] if k == "state_hash" else v) for k, v in entry.items() if k not in ("members", "weights", "excluded")}
-        shown["members"] = len(entry.get("members", []))
+        shown["member_count"] = len(entry.get("members", []))
+        if "state_hash" in entry:
+            shown["state_hash_full"] = entry["state_hash"]
+        if "weights" in entry:
+            shown["weights"] = entry["weights"]
         if entry.get("excluded"):
             shown["excluded"] = entry["excluded"]
         self.progress.event("round", **shown)
@@ -262,6 +266,9 @@ class SwarmPeer:
                 self.progress.close()
                 checkpoint.save(r, f"{self.run.workdir}/checkpoint", extra={"initial_eval_loss": self.initial_eval})
             wall = time.perf_counter() - started
+            if self.run.linger_s and not self.stop:
+                self.progress.event("linger", seconds=self.run.linger_s, round=r.round)
+                self.stop.event.wait(self.run.linger_s)  # keep serving our state to peers that are catching up
             final_eval = r.evaluate_global()
             return {
                 "mode": "swarm", "task": r.task.name, "peer_id": self.node.peer_id, "initial_eval_loss": round_float(self.initial_eval),
