@@ -17,10 +17,20 @@ import multiprocessing as mp
 import queue
 import time
 import traceback
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from scripts.bench_common import NOT_AVAILABLE, free_port, kill_processes, load_hook, median, ratio, table, write_json
+from scripts.bench_common import (
+    NOT_AVAILABLE,
+    free_port,
+    kill_processes,
+    load_hook,
+    median,
+    ratio,
+    table,
+    write_json,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +63,7 @@ def gloo_worker(rank: int, world: int, port: int, numel: int, reps: int, out: An
                 times.append(elapsed)
         out.put(("ok", rank, times))
         dist.destroy_process_group()
-    except Exception as exc:  # reported to the parent, which fails the benchmark with it
+    except Exception:  # noqa: BLE001 -- reported to the parent, which fails the benchmark with it
         out.put(("error", rank, traceback.format_exc(limit=-4)))
 
 
@@ -101,7 +111,7 @@ def hivemind_worker(rank: int, world: int, numel: int, reps: int, peers_q: Any, 
                 times.append(end - start)
                 steps.append(end - step_start)
         out.put(("ok", rank, (times, steps)))
-    except Exception as exc:
+    except Exception:  # noqa: BLE001 -- reported to the parent, which fails the benchmark with it
         out.put(("error", rank, traceback.format_exc(limit=-4)))
     finally:
         if averager is not None:
@@ -110,7 +120,7 @@ def hivemind_worker(rank: int, world: int, numel: int, reps: int, peers_q: Any, 
             dht.shutdown()
 
 
-def _collect(out: Any, procs: list[mp.process.BaseProcess], timeout: float) -> list[Any]:
+def _collect(out: Any, procs: Sequence[mp.process.BaseProcess], timeout: float) -> list[Any]:
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     while len(results) < len(procs):
@@ -221,8 +231,8 @@ def run(args: argparse.Namespace) -> int:
     notes = list(dict.fromkeys(notes)) + [
         f"median of {reps} reps per method after one warm-up, slowest peer per rep, 127.0.0.1, same run",
         "gloo: torch.distributed.all_reduce(SUM), barrier then one call",
-        "hivemind: DecentralizedAverager allow_allreduce()→result() after the full group matched (matchmaking excluded); "
-        "hivemind .step() = the whole call including matchmaking (min_matchmaking_time 2 s)",
+        ("hivemind: DecentralizedAverager allow_allreduce()→result() after the full group matched (matchmaking excluded); "
+         "hivemind .step() = the whole call including matchmaking (min_matchmaking_time 2 s)"),
         "ours fp32 = lossless; best codec = fastest of " + ", ".join(codecs) + " as time/gloo",
     ]
     print(table("allreduce: one fp32 tensor, seconds and ratio to gloo",

@@ -18,7 +18,7 @@ import logging
 import math
 from typing import Any
 
-from scripts.bench_common import load_hook, ratio, table, write_json
+from scripts.bench_common import NOT_AVAILABLE, load_hook, ratio, table, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
                 analytic_small = 2 * (m - 1) / m * codec_bytes(codec, int(meas["params"]))
                 meas_vs = ratio(float(meas["sent_bytes"]), analytic_small)
             elif why:
-                notes.append(f"measured ({codec}): {why}")
+                notes.append(f"measured: {why}" if why == NOT_AVAILABLE else f"measured ({codec}): {why}")
             entry["codecs"][codec] = {
                 "encoded_bytes": enc, "bytes_per_param": enc / params, "sent_per_peer_per_round": sent,
                 "bytes_per_token": {str(h): v for h, v in per_h.items()},
@@ -119,8 +119,8 @@ def run(args: argparse.Namespace) -> int:
         results[preset] = entry
     mid = hs[len(hs) // 2]
     notes = list(dict.fromkeys(notes)) + [
-        f"M = {m} peers; per-peer batch = task default (tiny 16, small 16, base 8 sequences) unless --batch; "
-        "data-parallel = ring all-reduce of fp32 gradients each step",
+        (f"M = {m} peers; per-peer batch = task default (tiny 16, small 16, base 8 sequences) unless --batch; "
+         "data-parallel = ring all-reduce of fp32 gradients each step"),
         "DiLoCo = star/leader-reduce: member sends encoded Δ, receives encoded average; mean over peers incl. leader",
         "int8/int4 = blockwise absmax, one fp16 scale per 64 elements; payload only (no headers)",
         "DP÷DiLoCo = data-parallel bytes per token / DiLoCo bytes per token (goal DESIGN §3: >= 1000)",

@@ -11,7 +11,14 @@ import argparse
 import logging
 from typing import Any
 
-from scripts.bench_common import NOT_AVAILABLE, load_hook, median, ratio, table, write_json
+from scripts.bench_common import (
+    NOT_AVAILABLE,
+    load_hook,
+    median,
+    ratio,
+    table,
+    write_json,
+)
 from scripts.bench_net import socket_seconds
 
 logger = logging.getLogger(__name__)
@@ -53,8 +60,9 @@ def run(args: argparse.Namespace) -> int:
         ours, why = ours_join(preset, donors, reps)
         if why:
             notes.append(f"ours ({donors} donors): {why}")
-        entry: dict[str, Any] = {"donors": donors, "bytes": nbytes, "socket_s": median(sock), "socket_all_s": sock,
-                                 "socket_mib_s": nbytes / median(sock) / 2**20, "ours_s": median(ours), "ours_note": why or None}
+        sock_s = float(median(sock) or 0.0)
+        entry: dict[str, Any] = {"donors": donors, "bytes": nbytes, "socket_s": sock_s, "socket_all_s": sock,
+                                 "socket_mib_s": nbytes / sock_s / 2**20, "ours_s": median(ours), "ours_note": why or None}
         entry["ours_vs_socket"] = ratio(entry["ours_s"], entry["socket_s"])
         results[str(donors)] = entry
         rows.append([donors, nbytes / 2**20, entry["socket_s"], entry["socket_mib_s"],

@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from scripts.bench_common import kill_processes
 
@@ -103,7 +104,7 @@ def socket_seconds(nbytes: int, *, streams: int = 1, host: str = "127.0.0.1", re
     """Seconds to move nbytes (split over `streams` senders) to one receiver over plain TCP."""
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     me = [sys.executable, "-m", "scripts.bench_net"]
-    procs: list[subprocess.Popen[str]] = []
+    procs: list[subprocess.Popen[Any]] = []
     try:
         recv = subprocess.Popen([*receiver_prefix, *me, "recv", host, str(streams), str(nbytes)], stdout=subprocess.PIPE,
                                 text=True, env=env, cwd=ROOT)
@@ -136,7 +137,7 @@ def _readline(proc: subprocess.Popen[str], timeout: float) -> str:
 
 def _ip(*args: str, ns: str | None = None) -> None:
     cmd = (["ip", "netns", "exec", ns] if ns else []) + list(args)
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    res = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=30)
     if res.returncode:
         raise NetnsUnavailable(f"`{' '.join(cmd)}` failed: {res.stderr.strip()}")
 
@@ -174,7 +175,7 @@ def shaped_star(peers: int, *, rate: str = "100mbit", tag: str | None = None) ->
         yield out
     finally:
         for ns in reversed(created):
-            res = subprocess.run(["ip", "netns", "del", ns], capture_output=True, text=True, timeout=30)
+            res = subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True, text=True, timeout=30)
             if res.returncode:
                 logger.warning("could not delete namespace %s: %s", ns, res.stderr.strip())
 

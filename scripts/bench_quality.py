@@ -140,7 +140,7 @@ def run_job(cfg: QualityConfig, job: Job, warm_path: str | None) -> Result:
     lengths = [job.inner_steps] * (steps // job.inner_steps) + ([steps % job.inner_steps] if steps % job.inner_steps else [])
     rounds = len(lengths)
     trace: list[float] = []
-    losses: list[float] = []
+    losses = []
     for length in lengths:
         for rep in reps:
             losses.extend(rep.inner_step().loss for _ in range(length))
@@ -225,8 +225,8 @@ def run(args: argparse.Namespace) -> int:
     ctx_len = dp.tokens // max(cfg.steps * cfg.batch * cfg.replicas, 1)
     notes = [
         f"mode: {MODE}",
-        f"preset {cfg.preset}, context {ctx_len}; baseline = one process, batch {cfg.batch * cfg.replicas} "
-        f"(= sync data-parallel over {cfg.replicas} workers of batch {cfg.batch}), {cfg.steps} steps, inner AdamW lr {cfg.inner_lr}",
+        (f"preset {cfg.preset}, context {ctx_len}; baseline = one process, batch {cfg.batch * cfg.replicas} "
+         f"(= sync data-parallel over {cfg.replicas} workers of batch {cfg.batch}), {cfg.steps} steps, inner AdamW lr {cfg.inner_lr}"),
         f"DiLoCo M={cfg.replicas}: batch {cfg.batch} per replica, own shard each, token-weighted mean of Δ, Nesterov momentum 0.9",
         f"warm-started runs: {cfg.warmup} data-parallel steps first (tokens included); solo = M=1 at the baseline batch",
         "ratio = eval loss / data-parallel eval loss (lower is better; 1.00 = parity)",
