@@ -1,5 +1,6 @@
 """Smoke test of the benchmark harness: every `scripts.bench` subcommand with --quick prints a table and writes
-sane JSON (positive times, finite ratios, losses below ln 256). Checks sanity, never speed."""
+sane JSON (positive times, finite ratios, losses below ln 256). Checks sanity, never speed: the timeouts are
+generous upper bounds for a loaded 2-core machine; unloaded, the whole file takes about a minute."""
 from __future__ import annotations
 
 import json
@@ -46,9 +47,9 @@ def none_or_positive(x: Any) -> bool:
     return x is None or positive(x)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(160)
 def test_allreduce_quick(tmp_path: Path) -> None:
-    stdout, data = run_bench(["allreduce"], tmp_path, 110)
+    stdout, data = run_bench(["allreduce"], tmp_path, 150)
     entry = data["results"]["1"]["2"]
     assert positive(entry["gloo_s"]) and positive(entry["hivemind_s"]) and positive(entry["hivemind_step_s"])
     assert positive(entry["hivemind_vs_gloo"])
@@ -57,9 +58,9 @@ def test_allreduce_quick(tmp_path: Path) -> None:
         assert entry["ours_note"] and "ours" in stdout
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(160)
 def test_quality_quick(tmp_path: Path) -> None:
-    _, data = run_bench(["quality"], tmp_path, 110)
+    _, data = run_bench(["quality"], tmp_path, 150)
     runs = data["runs"]
     assert {r["kind"] for r in runs} == {"dp", "diloco"} and any(r["warm"] for r in runs)
     assert len({r["tokens"] for r in runs}) == 1, "every run must see the same number of tokens"
@@ -69,9 +70,9 @@ def test_quality_quick(tmp_path: Path) -> None:
     assert "simulation" in data["mode"]
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(100)
 def test_comm_quick(tmp_path: Path) -> None:
-    _, data = run_bench(["comm"], tmp_path, 55)
+    _, data = run_bench(["comm"], tmp_path, 90)
     tiny = data["results"]["tiny"]
     assert positive(tiny["dp_bytes_per_token"])
     ratios = {c: v["dp_over_diloco"]["100"] for c, v in tiny["codecs"].items()}
@@ -79,17 +80,17 @@ def test_comm_quick(tmp_path: Path) -> None:
     assert ratios["fp32"] < ratios["fp16"] < ratios["int8"] < ratios["int4"] < 800
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(130)
 def test_join_quick(tmp_path: Path) -> None:
-    _, data = run_bench(["join"], tmp_path, 85)
+    _, data = run_bench(["join"], tmp_path, 120)
     for entry in data["results"].values():
         assert positive(entry["socket_s"]) and positive(entry["socket_mib_s"])
         assert none_or_positive(entry["ours_s"])
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(130)
 def test_utilisation_quick(tmp_path: Path) -> None:
-    _, data = run_bench(["utilisation"], tmp_path, 85)
+    _, data = run_bench(["utilisation"], tmp_path, 120)
     check = data["shaped_link_check"]
     if check is None:
         assert data["shaped_link_note"], "a skipped shaped-link check must say why"
