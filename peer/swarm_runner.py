@@ -15,6 +15,7 @@ from peer import checkpoint
 from peer.progress import Progress, round_float
 from peer.replica import Replica
 from peer.signals import StopFlag
+from peer.swarm_report import SwarmReports
 from peer.swarm_state import blob_hash, flatten, local_model, parse_blob, rebase, state_blob, unflatten
 from protocol.group import Behind, Group, GroupAverager, RoundAborted, choose_target
 from protocol.node import NetworkConfig, SwarmNode
@@ -50,6 +51,7 @@ class SwarmPeer:
         if net.identity:
             self._ensure_identity(net.identity)
         self.node = SwarmNode(net)
+        self.net = net
         self.model = local_model(self.replica, self.cfg["runtime"].seed)
         self.progress = Progress(log_format=self.run.log_format, total_steps=self.run.max_steps or None, initial_step=self.replica.step)
 
@@ -109,6 +111,7 @@ class SwarmPeer:
             time.sleep(result.seconds * (self.run.slowdown - 1))
         self.compute_s += time.perf_counter() - started
         self.progress.step(step=self.replica.step, round=self.replica.round, loss=result.loss, tokens=result.tokens, lr=result.lr)
+        self.reports.step(self.replica, result.loss, self.progress.tokens_per_second())
 
     def eta(self, round_started: float) -> float:
         r, rounds = self.replica, self.rounds
@@ -212,6 +215,7 @@ class SwarmPeer:
     def _log_round(self, entry: dict[str, Any]) -> None:
         entry = {k: v for k, v in entry.items() if v is not None}
         self.history.append(entry)
+        self.reports.round({**entry, "step": self.replica.step, "tokens_total": self.replica.tokens})
         shown = {k: (v[:16] if k == "state_hash" else v) for k, v in entry.items() if k not in ("members", "weights", "excluded")}
         shown["member_count"] = len(entry.get("members", []))
         if "state_hash" in entry:
@@ -246,6 +250,7 @@ class SwarmPeer:
 
     def run_forever(self) -> dict[str, Any]:
         r = self.replica
+        self.reports = SwarmReports(self.run.coordinator, self.net.identity, self.net.run_id)
         self.node.start()
         try:
             self.averager = GroupAverager(self.node, self.rounds, self.model)
@@ -256,6 +261,7 @@ class SwarmPeer:
             self.publish_state()
             self.progress.event("joined", peer_id=self.node.peer_id, maddrs=self.node.visible_maddrs(), round=r.round)
             self.check_compatibility()
+            self.reports.hello(r)
             self.initial_sync()
             self.initial_eval = meta.get("initial_eval_loss") or r.evaluate_global()
             start_tokens, started = r.tokens, time.perf_counter()
@@ -279,6 +285,7 @@ class SwarmPeer:
                 "history": self.history,
             }
         finally:
+            self.reports.close()
             self.node.shutdown()
 
 

@@ -37,6 +37,9 @@ def add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--summary-json", default=None, help="write per-round records and eval losses here")
     parser.add_argument("--timeout", type=float, default=1800.0, help="give up (and stop every peer) after this many seconds")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per peer (0 = cores / peers)")
+    parser.add_argument("--coordinator", default=None, help="report to this existing coordinator URL instead of starting one")
+    parser.add_argument("--no-coordinator", action="store_true", help="start no coordinator (peers then report nowhere)")
+    parser.add_argument("--run-id", default="local-swarm", help="run id (DHT namespace and coordinator run)")
     parser.add_argument("--peer-arg", action="append", default=[], help="extra argument passed to every peer (repeatable), e.g. --peer-arg=--round-seconds=5")
 
 
@@ -100,16 +103,51 @@ def _become_subreaper() -> None:
         pass
 
 
-def _peer_argv(args: argparse.Namespace, i: int, workdir: Path, bootstrap: list[str], slowdowns: list[float], threads: int) -> list[str]:
+def _peer_argv(args: argparse.Namespace, i: int, workdir: Path, bootstrap: list[str], slowdowns: list[float], threads: int,
+               coordinator_url: str | None) -> list[str]:
     quorum = args.quorum or min(args.peers, 3)
     argv = [sys.executable, "-m", "scripts.cli", "peer", "--preset", args.preset, "--max-rounds", str(args.rounds),
             "--inner-steps", str(args.inner_steps), "--quorum", str(quorum), "--codec", args.codec,
             "--workdir", str(workdir), "--shard-index", str(i), "--num-shards", str(args.peers), "--log-format", "json",
             "--summary-json", str(workdir / "summary.json"), "--host-maddr", "/ip4/127.0.0.1/tcp/0", "--threads", str(threads),
-            "--slowdown", str(slowdowns[i]), "--linger", "5", "--checkpoint-every", "1"]
+            "--slowdown", str(slowdowns[i]), "--linger", "5", "--checkpoint-every", "1", "--run-id", args.run_id]
+    if coordinator_url:
+        argv += ["--coordinator", coordinator_url]
     for maddr in bootstrap:
         argv += ["--initial-peer", maddr]
     return argv + list(args.peer_arg)
+
+
+def start_coordinator(root: Path, run_id: str, env: dict[str, str], *, timeout: float = 90.0) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    """Start `python -m coordinator` on a free port (its own session) and wait for its ready file."""
+    ready = root / "coordinator.json"
+    ready.unlink(missing_ok=True)
+    argv = [sys.executable, "-m", "coordinator", "--db", str(root / "coordinator.sqlite"), "--host", "127.0.0.1", "--port", "0",
+            "--dht-host", "127.0.0.1", "--ready-file", str(ready), "--run-id", run_id]
+    with open(root / "coordinator.log", "ab") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=log, env=env, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ready.exists():
+            return proc, json.loads(ready.read_text())
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    stop_session(proc)
+    raise RuntimeError(f"coordinator did not start; see {root / 'coordinator.log'}")
+
+
+def stop_session(proc: subprocess.Popen[bytes], *, timeout: float = 15.0) -> None:
+    """SIGTERM a process we started in its own session, then SIGKILL whatever of that session is left."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def merge_rounds(peers: list[PeerProc]) -> list[dict[str, Any]]:
@@ -144,10 +182,19 @@ def run_swarm(args: argparse.Namespace) -> int:
     root.mkdir(parents=True, exist_ok=True)
     threads = args.threads or max(1, (os.cpu_count() or 2) // args.peers)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(Path(__file__).resolve().parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    bootstrap_dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    bootstrap = [str(m) for m in bootstrap_dht.get_visible_maddrs()]
+    coordinator: subprocess.Popen[bytes] | None = None
+    bootstrap_dht = None
+    coordinator_url = args.coordinator
+    if not args.coordinator and not args.no_coordinator:
+        coordinator, info = start_coordinator(root, args.run_id, env)
+        coordinator_url, bootstrap = info["url"], list(info["dht_maddrs"])
+        print(f"coordinator: dashboard at {coordinator_url}/  (API {coordinator_url}/api/rounds, metrics {coordinator_url}/metrics)", flush=True)
+    else:
+        bootstrap_dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        bootstrap = [str(m) for m in bootstrap_dht.get_visible_maddrs()]
     print(f"bootstrap DHT node: {bootstrap[0]}", flush=True)
-    peers = [PeerProc(i, root / f"peer-{i}", _peer_argv(args, i, root / f"peer-{i}", bootstrap, slowdowns, threads)) for i in range(args.peers)]
+    peers = [PeerProc(i, root / f"peer-{i}", _peer_argv(args, i, root / f"peer-{i}", bootstrap, slowdowns, threads, coordinator_url))
+             for i in range(args.peers)]
     started, kills, last_kill, best_round = time.monotonic(), [], time.monotonic(), 0
     try:
         for p in peers:
@@ -192,7 +239,10 @@ def run_swarm(args: argparse.Namespace) -> int:
                     pass
             p.kill_group(signal.SIGKILL)  # whatever is left of the session, p2pd included
             p.read_events()
-        bootstrap_dht.shutdown()
+        if bootstrap_dht is not None:
+            bootstrap_dht.shutdown()
+        if coordinator is not None:
+            stop_session(coordinator)
     summaries = {}
     for p in peers:
         path = p.workdir / "summary.json"

@@ -1,0 +1,76 @@
+"""Optional progress reports to a coordinator. Never on the training path: every call is non-blocking and a down
+coordinator only means reports wait in the reporter's buffer."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from peer.replica import Replica
+
+logger = logging.getLogger(__name__)
+
+OUTCOMES = {"committed": "committed", "aborted": "discarded", "behind": "stale", "hash_mismatch": "failed"}
+
+
+class SwarmReports:
+    def __init__(self, url: str | None, identity_path: str | None, run_id: str, *, metrics_interval_s: float = 5.0) -> None:
+        self.reporter: Any = None
+        self.metrics_interval_s = metrics_interval_s
+        self._last_metrics = 0.0
+        if not url or not identity_path:
+            return
+        from peer.reporting import Reporter
+        from protocol.identity import load_or_create_identity
+
+        self.reporter = Reporter(url, load_or_create_identity(identity_path), run_id).start()
+
+    def hello(self, replica: Replica) -> None:
+        if self.reporter is None:
+            return
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            ours = version("swarmloco")
+        except PackageNotFoundError:
+            ours = "dev"
+        if replica.device.type == "cuda":
+            device = torch.cuda.get_device_name(replica.device)
+            memory = torch.cuda.get_device_properties(replica.device).total_memory
+        else:
+            import os
+
+            device = f"cpu ({torch.get_num_threads()} threads)"
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        self.reporter.hello(version=ours, device=device, memory_bytes=int(memory), tokens_per_s=0.0)
+
+    def step(self, replica: Replica, loss: float, tokens_per_s: float) -> None:
+        if self.reporter is None or time.monotonic() - self._last_metrics < self.metrics_interval_s:
+            return
+        self._last_metrics = time.monotonic()
+        self.reporter.report_metrics(step=replica.step, train_loss=loss, tokens_per_s=tokens_per_s, tokens_total=replica.tokens)
+
+    def round(self, entry: dict[str, Any]) -> None:
+        if self.reporter is None:
+            return
+        members = list(entry.get("members") or [])
+        weights = list(entry.get("weights") or [])
+        if len(weights) != len(members):
+            weights = [0] * len(members)
+        reason = entry.get("reason") or (f"state hash differs from leader's {entry['leader_hash'][:16]}" if "leader_hash" in entry else None)
+        self.reporter.report_round(
+            round=int(entry.get("round", 0)), members=members, tokens=[int(w) for w in weights], state_hash=entry.get("state_hash"),
+            train_s=float(entry.get("train_s", 0.0)), wait_s=float(entry.get("wait_s", 0.0)), average_s=float(entry.get("average_s", 0.0)),
+            outcome=OUTCOMES.get(str(entry.get("outcome")), "failed"), failure_reason=reason, eval_loss=entry.get("eval_loss"),
+        )
+        if entry.get("eval_loss") is not None:
+            self.reporter.report_metrics(step=int(entry.get("step", 0)), train_loss=None, tokens_per_s=0.0,
+                                         tokens_total=int(entry.get("tokens_total", 0)), eval_loss=entry["eval_loss"])
+
+    def close(self) -> None:
+        if self.reporter is not None:
+            undelivered = self.reporter.close(timeout=5.0)
+            if undelivered:
+                logger.info("%d reports could not be delivered to the coordinator", undelivered)
