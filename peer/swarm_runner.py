@@ -17,9 +17,10 @@ from peer.replica import Replica
 from peer.signals import StopFlag
 from peer.swarm_report import SwarmReports
 from peer.swarm_state import blob_hash, flatten, local_model, parse_blob, rebase, state_blob, unflatten
+from protocol.faults import FaultInjector, corrupt
 from protocol.group import Behind, Group, GroupAverager, RoundAborted, choose_target
 from protocol.node import NetworkConfig, SwarmNode
-from protocol.records import PROTOCOL_VERSION, PeerRecord, describe_difference
+from protocol.records import PROTOCOL_VERSION, PeerRecord, compatibility_problem
 from protocol.state_sync import ServedState, StateServer, StateSyncError, download_state
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,8 @@ class SwarmPeer:
         self.net = net
         self.model = local_model(self.replica, self.cfg["runtime"].seed)
         self.progress = Progress(log_format=self.run.log_format, total_steps=self.run.max_steps or None, initial_step=self.replica.step)
+        self.faults = FaultInjector.from_env()
+        self.faults.on_fire = lambda phase, action, rnd: self.progress.event("fault", phase=phase, action=action, round=rnd)
 
     @staticmethod
     def _ensure_identity(path: str) -> None:
@@ -91,7 +94,7 @@ class SwarmPeer:
         self.staleness = staleness if keep else 0
         self.resyncs += 1
         self.progress.event("resync", round=target.round, state_hash=target.state_hash[:16], seconds=round_float(time.perf_counter() - started),
-                            kept_progress=keep, rejected_donors=len(bad))
+                            kept_progress=keep, failures=bad)
         self.publish_state()
         return True
 
@@ -105,6 +108,8 @@ class SwarmPeer:
         return r.round_steps >= self.cfg["train"].inner_steps
 
     def train_step(self) -> None:
+        if self.faults.faults:
+            self.faults.hit("inner_step", self.replica.round)
         started = time.perf_counter()
         result = self.replica.inner_step()
         if self.run.slowdown > 1:
@@ -176,6 +181,7 @@ class SwarmPeer:
         try:
             if group.is_leader:
                 averaged, encoded = self.node.call(self.averager.reduce_as_leader(group, delta, tokens, staleness), timeout=self.rounds.exchange_timeout_s * 3)
+                self.faults.hit("leader_before_commit", group.round)
                 self.apply(averaged.delta)
                 new_hash = r.state_hash()
                 self.bytes_sent += self.node.call(self.averager.commit_as_leader(group, averaged, encoded, new_hash), timeout=self.rounds.exchange_timeout_s * 3)
@@ -187,7 +193,8 @@ class SwarmPeer:
         except (RoundAborted, concurrent.futures.TimeoutError) as exc:
             if group.is_leader:
                 self.node.submit(self.averager.abort_as_leader(group, str(exc)))
-            self._log_round({**record, "outcome": "aborted", "reason": str(exc) or type(exc).__name__, "members": group.members})
+            self._log_round({**record, "outcome": "aborted", "reason": str(exc) or type(exc).__name__, "members": group.members,
+                             "leader": group.leader})
             return
         self.bytes_received += averaged.bytes_received
         self.staleness = 0
@@ -229,14 +236,9 @@ class SwarmPeer:
     def check_compatibility(self) -> None:
         records = self.node.call(self.node.fetch_records(), timeout=30)
         records.pop(self.node.peer_id, None)
-        if not records:
-            return
-        if any(rec.version == PROTOCOL_VERSION and rec.fingerprint == self.model.fingerprint for rec in records.values()):
-            return
-        rec = next(iter(records.values()))
-        if rec.version != PROTOCOL_VERSION:
-            raise IncompatibleSwarm(f"the swarm speaks protocol version {rec.version}, this peer {PROTOCOL_VERSION}; upgrade swarmloco")
-        raise IncompatibleSwarm(f"the swarm trains a different model; {describe_difference(self.model.config, rec.config())}")
+        problem = compatibility_problem(records, fingerprint=self.model.fingerprint, config=self.model.config)
+        if problem:
+            raise IncompatibleSwarm(problem)
 
     def initial_sync(self) -> None:
         r = self.replica
@@ -255,6 +257,9 @@ class SwarmPeer:
         try:
             self.averager = GroupAverager(self.node, self.rounds, self.model)
             self.server = StateServer(self.node, self.model.fingerprint)
+            self.averager.faults = self.faults
+            if self.faults.match("serve_state", r.round) == "corrupt":
+                self.server.tamper = corrupt
             self.node.call(self.averager.register(), timeout=30)
             self.node.call(self.server.register(), timeout=30)
             meta = checkpoint.load(r, f"{self.run.workdir}/checkpoint") if self.run.resume else {}

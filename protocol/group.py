@@ -28,6 +28,7 @@ import torch
 
 from protocol import swarmloco_wire_pb2 as pb
 from protocol.codecs import CodecError, get_codec
+from protocol.faults import FaultInjector
 from protocol.node import SwarmNode
 from protocol.records import PROTOCOL_VERSION, PeerRecord, describe_difference
 from protocol.wire import WireError, close_writer, read_frame, write_frame
@@ -142,6 +143,7 @@ class GroupAverager:
         self.state_hash = ""
         self._collect: _Collect | None = None
         self.refusals: list[str] = []  # incompatibility messages seen, for the user
+        self.faults = FaultInjector()
 
     async def register(self) -> None:
         await self.node.add_handler(self.handler_name, self._handle_join)
@@ -337,10 +339,12 @@ class GroupAverager:
     # --- the exchange ---------------------------------------------------------------------------------------------
     async def exchange_as_member(self, group: Group, delta: torch.Tensor, tokens: int, staleness: int) -> Averaged:
         reader, writer = group.streams[group.leader]
+        delta, tokens = self.faults.mutate_contribution(group.round, delta, tokens)
         try:
             payload = await asyncio.get_running_loop().run_in_executor(None, self.codec.encode, delta)
             header = pb.Contribution(tokens=tokens, codec=self.codec.name, numel=delta.numel(), staleness=staleness)
             await write_frame(writer, header, payload, timeout=self.cfg.exchange_timeout_s)
+            self.faults.hit("member_after_send", group.round)
             result, body = await read_frame(reader, pb.RoundResult, max_payload=self.codec.encoded_size(self.model.numel),
                                             timeout=self.cfg.exchange_timeout_s * 2)
         except WireError as exc:

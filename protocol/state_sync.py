@@ -93,7 +93,8 @@ async def _fetch(node: SwarmNode, name: str, donor: str, fingerprint: str, offse
 async def download_state(node: SwarmNode, *, donors: list[str], round_number: int, state_hash: str, total_bytes: int,
                          fingerprint: str, verify: Callable[[bytes], str], max_parallel: int = 4,
                          timeout: float = 300.0) -> tuple[bytearray, list[str]]:
-    """Fetch and verify the state; returns (blob, donors that failed or lied). Raises StateSyncError."""
+    """Fetch and verify the state; returns (blob, failures: donors that failed or lied, plus "parallel-assembly" when
+    the parallel download did not verify). Raises StateSyncError."""
     name = f"swarmloco/{node.net.run_id}/state/v{PROTOCOL_VERSION}"
     bad: list[str] = []
     loop = asyncio.get_running_loop()
@@ -110,6 +111,7 @@ async def download_state(node: SwarmNode, *, donors: list[str], round_number: in
             if await loop.run_in_executor(None, verify, bytes(blob)) == state_hash:
                 return blob, bad
             logger.warning("state assembled from %d donors failed verification; retrying donor by donor", len(parallel))
+            bad.append("parallel-assembly")
     for donor in donors:
         try:
             blob = await _fetch(node, name, donor, fingerprint, 0, 0, **kw)

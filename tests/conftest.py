@@ -36,7 +36,16 @@ def _descendants(pid: int) -> list[int]:
 
 @pytest.fixture(scope="session", autouse=True)
 def kill_leftover_children() -> Iterator[None]:
-    """After the session, end any process this test process started (directly or not) that is still alive."""
+    """After the session, end any process this test process started (directly or not) that is still alive.
+
+    The test process becomes a child subreaper first, so orphans of SIGKILLed peers (their DHT process, p2pd)
+    re-parent to us and are found here instead of escaping to init."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
     yield
     for pid in _descendants(os.getpid()):
         try:

@@ -1,0 +1,97 @@
+"""Fault injection for real multi-process tests (DESIGN §4): faults keyed by (phase, round), counted when they fire.
+
+A peer process reads `SWARMLOCO_FAULTS`, a comma-separated list of `phase=action[@round]` (round omitted: the first
+time the phase is reached). Phases and actions:
+    inner_step=kill            SIGKILL this peer's whole session (peer, DHT process, p2pd) during inner steps
+    member_after_send=kill     die after sending the contribution, before the result arrives
+    leader_before_commit=kill  die as leader after averaging, before anyone got the result
+    contribute=nan|wrong_numel|inflate|zero_tokens   send a malformed contribution (as a member)
+    serve_state=corrupt        serve random bytes to state downloaders (a lying donor)
+Every firing is appended to `fired` and reported through `on_fire` before the action happens.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger(__name__)
+ENV = "SWARMLOCO_FAULTS"
+PHASES = {"inner_step", "member_after_send", "leader_before_commit", "contribute", "serve_state"}
+ACTIONS = {"kill", "nan", "wrong_numel", "inflate", "zero_tokens", "corrupt"}
+
+
+@dataclass
+class Fault:
+    phase: str
+    action: str
+    round: int | None
+    fired: int = 0
+
+
+@dataclass
+class FaultInjector:
+    faults: list[Fault] = field(default_factory=list)
+    fired: list[tuple[str, str, int]] = field(default_factory=list)
+    on_fire: Callable[[str, str, int], None] | None = None
+
+    @classmethod
+    def parse(cls, spec: str) -> "FaultInjector":
+        faults = []
+        for item in filter(None, (s.strip() for s in spec.split(","))):
+            phase, _, rest = item.partition("=")
+            action, _, round_text = rest.partition("@")
+            if phase not in PHASES or action not in ACTIONS:
+                raise ValueError(f"{ENV}: got {item!r}, allowed phase=action[@round] with phases {sorted(PHASES)}, actions {sorted(ACTIONS)}")
+            faults.append(Fault(phase, action, int(round_text) if round_text else None))
+        return cls(faults)
+
+    @classmethod
+    def from_env(cls) -> "FaultInjector":
+        return cls.parse(os.environ.get(ENV, ""))
+
+    def match(self, phase: str, round_number: int) -> str | None:
+        """The action to take now, if a fault is armed for (phase, round); each fault fires once."""
+        for fault in self.faults:
+            if fault.phase == phase and not fault.fired and (fault.round is None or fault.round == round_number):
+                fault.fired += 1
+                self.fired.append((phase, fault.action, round_number))
+                logger.warning("fault injected: %s=%s at round %d", phase, fault.action, round_number)
+                if self.on_fire is not None:
+                    self.on_fire(phase, fault.action, round_number)
+                return fault.action
+        return None
+
+    def hit(self, phase: str, round_number: int) -> None:
+        if self.match(phase, round_number) == "kill":
+            die()
+
+    def mutate_contribution(self, round_number: int, delta: torch.Tensor, tokens: int) -> tuple[torch.Tensor, int]:
+        action = self.match("contribute", round_number)
+        if action == "nan":
+            delta = delta.clone()
+            delta[len(delta) // 2] = float("nan")
+        elif action == "wrong_numel":
+            delta = delta[:-1].clone()
+        elif action == "inflate":
+            tokens = 10**12
+        elif action == "zero_tokens":
+            tokens = 0
+        return delta, tokens
+
+
+def die() -> None:
+    """Simulate the machine vanishing: SIGKILL our session if we lead one (peer + DHT + p2pd), else ourselves."""
+    pid = os.getpid()
+    if os.getpgid(0) == pid and os.getsid(0) == pid:
+        os.killpg(pid, signal.SIGKILL)
+    os.kill(pid, signal.SIGKILL)
+
+
+def corrupt(blob: bytes) -> bytes:
+    g = torch.Generator().manual_seed(len(blob))
+    return torch.randint(0, 256, (len(blob),), dtype=torch.uint8, generator=g).numpy().tobytes()

@@ -1,0 +1,146 @@
+"""Real multi-process swarms on 127.0.0.1 for integration tests: a bootstrap DHT, peer processes in their own
+sessions (SIGKILL takes their DHT process and p2pd along), JSON event logs, and cleanup that proves nothing is left."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import hivemind
+
+from conftest import ROOT, _descendants
+from protocol.identity import load_or_create_identity
+from scripts.swarm import PeerProc
+
+FAST = ["--preset", "tiny", "--batch-size", "4", "--threads", "1", "--warmup-steps", "5", "--inner-lr", "1e-3",
+        "--grace-min", "0.3", "--grace-max", "3", "--round-timeout", "40", "--exchange-timeout", "20", "--eval-every", "1",
+        "--checkpoint-every", "0"]
+
+
+class Swarm:
+    def __init__(self, workdir: Path, *, run_id: str = "test-run") -> None:
+        self.workdir, self.run_id = workdir, run_id
+        self.env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        self.env.pop("SWARMLOCO_FAULTS", None)
+        self.dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        self.bootstrap = [str(m) for m in self.dht.get_visible_maddrs()]
+        self.peers: dict[str, PeerProc] = {}
+
+    def identities(self, n: int) -> list[tuple[str, Path]]:
+        """n identity files, sorted by peer id (the leader of a round is usually the smallest ready id)."""
+        out = []
+        for i in range(n):
+            path = self.workdir / f"id-{i}.key"
+            out.append((load_or_create_identity(path).peer_id, path))
+        return sorted(out)
+
+    def start(self, name: str, *args: str, identity: Path | None = None, faults: str = "", rounds: int = 3,
+              inner_steps: int = 10, quorum: int = 2, resume: bool = False) -> PeerProc:
+        workdir = self.workdir / name
+        argv = [sys.executable, "-m", "scripts.cli", "peer", *FAST, "--max-rounds", str(rounds), "--inner-steps", str(inner_steps),
+                "--quorum", str(quorum), "--workdir", str(workdir), "--log-format", "json", "--summary-json", str(workdir / "summary.json"),
+                "--host-maddr", "/ip4/127.0.0.1/tcp/0", "--run-id", self.run_id, "--linger", "8", *args]
+        if identity is not None:
+            argv += ["--identity", str(identity)]
+        for maddr in self.bootstrap:
+            argv += ["--initial-peer", maddr]
+        peer = self.peers.get(name) or PeerProc(len(self.peers), workdir, argv)
+        peer.argv = argv
+        env = dict(self.env, SWARMLOCO_FAULTS=faults) if faults else self.env
+        peer.start(env, resume=resume)
+        self.peers[name] = peer
+        return peer
+
+    def events(self, name: str, kind: str | None = None) -> list[dict[str, Any]]:
+        peer = self.peers[name]
+        peer.read_events()
+        return [e for e in peer.events if kind is None or e.get("event") == kind]
+
+    def committed(self, name: str) -> dict[int, str]:
+        """round -> full state hash, for every round this peer committed."""
+        return {int(e["round"]): e["state_hash_full"] for e in self.events(name, "round") if e.get("outcome") == "committed"}
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return
+            time.sleep(0.5)
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}; logs: {self.tails()}")
+
+    def wait_exit(self, timeout: float) -> dict[str, int | None]:
+        deadline = time.monotonic() + timeout
+        for p in self.peers.values():
+            if p.proc is not None and p.proc.poll() is None:
+                try:
+                    p.proc.wait(max(0.1, deadline - time.monotonic()))
+                except Exception:  # noqa: BLE001 - reported through the return codes below
+                    pass
+        return {name: (p.proc.poll() if p.proc else None) for name, p in self.peers.items()}
+
+    def summary(self, name: str) -> dict[str, Any]:
+        return json.loads((self.peers[name].workdir / "summary.json").read_text())
+
+    def tails(self) -> str:
+        out = []
+        for name, p in self.peers.items():
+            err = p.workdir / "stderr.log"
+            text = err.read_text()[-1500:] if err.exists() else ""
+            out.append(f"--- {name} rc={p.proc.poll() if p.proc else None}\n{text}")
+        return "\n".join(out)
+
+    def close(self) -> None:
+        for p in self.peers.values():
+            if p.alive():
+                p.kill_group(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for p in self.peers.values():
+            if p.proc is not None:
+                try:
+                    p.proc.wait(max(0.1, deadline - time.monotonic()))
+                except Exception:  # noqa: BLE001
+                    pass
+            p.kill_group(signal.SIGKILL)
+        self.dht.shutdown()
+
+    def assert_nothing_left(self, timeout: float = 20.0) -> None:
+        """No process this test started — peers, their DHT processes, p2pd — is still alive."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            # torch's shared-memory manager belongs to this test process (hivemind's DHT here) and ends with it.
+            alive = [pid for pid in _descendants(os.getpid()) if _is_running(pid) and "torch_shm_manager" not in _cmdline(pid)]
+            if not alive:
+                return
+            time.sleep(0.5)
+        raise AssertionError(f"processes left running: {[_cmdline(pid) for pid in alive]}")
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+    except OSError:
+        return str(pid)
+
+
+def assert_no_split(swarm: Swarm, names: list[str]) -> dict[int, str]:
+    """Every round committed by any of these peers has exactly one state hash."""
+    by_round: dict[int, set[str]] = {}
+    for name in names:
+        for rnd, h in swarm.committed(name).items():
+            by_round.setdefault(rnd, set()).add(h)
+    split = {r: hs for r, hs in by_round.items() if len(hs) > 1}
+    assert not split, f"rounds with different states: {split}"
+    return {r: next(iter(hs)) for r, hs in by_round.items()}

@@ -1,0 +1,182 @@
+"""Multi-peer integration tests: real peer processes over 127.0.0.1 (issue #3 tests 1-8).
+
+After every round test: peers that completed a round hold the same state hash, losses are finite, and no process
+the test started (p2pd included) is left running.
+"""
+from __future__ import annotations
+
+import json
+import math
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from swarm_harness import Swarm, assert_no_split
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+@pytest.fixture
+def swarm(tmp_path: Path) -> Iterator[Swarm]:
+    s = Swarm(tmp_path)
+    try:
+        yield s
+    finally:
+        s.close()
+        s.assert_nothing_left()
+
+
+def _finite_losses(swarm: Swarm, name: str) -> None:
+    for e in swarm.events(name, "round"):
+        if "eval_loss" in e:
+            assert math.isfinite(e["eval_loss"]), e
+
+
+def test_local_swarm_three_peers_three_rounds(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    """Test 1, through the README's command: hashes equal after every round, eval loss falls, nothing left."""
+    summary_path = tmp_path / "s.json"
+    proc = run_cli(["swarm", "--peers", "3", "--rounds", "3", "--inner-steps", "10", "--no-coordinator", "--workdir", str(tmp_path / "w"),
+                    "--summary-json", str(summary_path), "--peer-arg=--batch-size=4", "--peer-arg=--warmup-steps=5",
+                    "--peer-arg=--inner-lr=1e-3", "--peer-arg=--grace-max=3"], cli_env, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    summary = json.loads(summary_path.read_text())
+    assert [r["round"] for r in summary["rounds"]] == [1, 2, 3]
+    for rnd in summary["rounds"]:
+        assert rnd["outcome"] == "committed" and len(rnd["hashes"]) == 3 and len(set(rnd["hashes"].values())) == 1, rnd
+    assert len(set(summary["final_state_hashes"].values())) == 1
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+    assert all(math.isfinite(s["final_eval_loss"]) for s in summary["peer_summaries"].values())
+
+
+def test_late_joiner_gets_verified_state_before_contributing(swarm: Swarm) -> None:
+    """Test 2: a peer joining at round 2 downloads the swarm's state, verified by hash, before it contributes."""
+    swarm.start("a", rounds=14)
+    swarm.start("b", rounds=14)
+    swarm.wait_for(lambda: 2 in swarm.committed("a"), 150, "round 2 on a")
+    swarm.start("c", rounds=14)
+    swarm.wait_exit(200)
+    hashes = assert_no_split(swarm, ["a", "b", "c"])
+    events = [e for e in swarm.events("c") if e["event"] in ("resync", "round")]
+    assert events and events[0]["event"] == "resync", events[:3]
+    first = events[0]
+    assert first["round"] >= 2 and hashes[first["round"]].startswith(first["state_hash"])
+    assert swarm.summary("c")["state_hash"] == swarm.summary("a")["state_hash"]
+    assert any(e.get("outcome") == "committed" for e in swarm.events("c", "round")), "the joiner never contributed"
+
+
+def test_peer_killed_during_inner_steps(swarm: Swarm) -> None:
+    """Test 3: SIGKILL one of three peers while it trains; the survivors complete the next rounds."""
+    swarm.start("a", rounds=4)
+    swarm.start("b", rounds=4)
+    swarm.start("c", rounds=4, faults="inner_step=kill@1")
+    codes = swarm.wait_exit(220)
+    assert codes["c"] == -signal.SIGKILL
+    assert swarm.events("c", "fault"), "the fault never fired"
+    hashes = assert_no_split(swarm, ["a", "b"])
+    assert max(hashes) == 4 and codes["a"] == 0 and codes["b"] == 0
+    after_kill = [e for e in swarm.events("a", "round") if e.get("outcome") == "committed" and e["round"] >= 2]
+    assert after_kill and all(e["member_count"] == 2 for e in after_kill)
+    _finite_losses(swarm, "a")
+
+
+def test_leader_killed_mid_averaging_all_members_discard(swarm: Swarm) -> None:
+    """Test 4a: the leader dies after averaging but before anyone has the result: every member discards the
+    round, nobody applies half of it, and the survivors go on to commit the round together."""
+    (id_low, low), (_, mid), (_, high) = swarm.identities(3)
+    swarm.start("leader", identity=low, faults="leader_before_commit=kill", rounds=3)
+    swarm.start("b", "--slowdown", "1.5", identity=mid, rounds=3)
+    swarm.start("c", "--slowdown", "1.5", identity=high, rounds=3)
+    codes = swarm.wait_exit(240)
+    assert codes["leader"] == -signal.SIGKILL and swarm.events("leader", "fault")
+    for name in ("b", "c"):
+        rounds = swarm.events(name, "round")
+        aborted = [e for e in rounds if e["outcome"] == "aborted" and e.get("leader")]
+        assert aborted and aborted[0]["leader"] == id_low and aborted[0]["member_count"] == 3, rounds
+        assert codes[name] == 0
+    hashes = assert_no_split(swarm, ["b", "c"])
+    assert max(hashes) == 3
+
+
+def test_member_killed_mid_averaging_survivors_agree(swarm: Swarm) -> None:
+    """Test 4b: a member dies after sending its pseudo-gradient: all survivors apply the same result."""
+    (_, low), (_, mid), (_, high) = swarm.identities(3)
+    swarm.start("a", identity=low, rounds=3)
+    swarm.start("b", identity=mid, rounds=3)
+    swarm.start("victim", "--slowdown", "1.5", identity=high, faults="member_after_send=kill@1", rounds=3)
+    codes = swarm.wait_exit(240)
+    assert codes["victim"] == -signal.SIGKILL and swarm.events("victim", "fault")
+    hashes = assert_no_split(swarm, ["a", "b"])
+    assert max(hashes) == 3 and codes["a"] == 0 and codes["b"] == 0
+
+
+def test_slow_peer_does_not_hold_back_and_catches_up(swarm: Swarm) -> None:
+    """Test 5: a 4x slower peer (token budget, so it is late) does not delay the others; it re-syncs verified state."""
+    budget = ["--round-tokens", str(10 * 4 * 128)]
+    swarm.start("a", *budget, rounds=4)
+    swarm.start("b", *budget, rounds=4)
+    swarm.start("slow", *budget, "--slowdown", "4", rounds=4)
+    codes = swarm.wait_exit(240)
+    assert codes == {"a": 0, "b": 0, "slow": 0}, swarm.tails()
+    fast = [e for e in swarm.events("a", "round") if e.get("outcome") == "committed"]
+    assert len(fast) == 4 and max(e["wait_s"] for e in fast) < 15, fast
+    assert swarm.events("slow", "resync"), "the slow peer never caught up"
+    assert_no_split(swarm, ["a", "b", "slow"])
+    assert swarm.summary("slow")["state_hash"] == swarm.summary("a")["state_hash"]
+
+
+def test_lying_donor_rejected_by_hash(swarm: Swarm) -> None:
+    """Test 6: a donor serving corrupted state is rejected; the joiner verifies and uses the honest donor."""
+    swarm.start("honest", rounds=4)
+    swarm.start("liar", faults="serve_state=corrupt", rounds=4)
+    swarm.wait_for(lambda: 2 in swarm.committed("honest"), 150, "round 2")
+    swarm.start("joiner", rounds=4)
+    swarm.wait_exit(200)
+    resync = swarm.events("joiner", "resync")
+    assert resync, swarm.tails()
+    assert resync[0]["failures"], "the corrupt donor's bytes were never rejected"
+    assert_no_split(swarm, ["honest", "liar", "joiner"])
+    assert swarm.summary("joiner")["state_hash"] == swarm.summary("honest")["state_hash"]
+
+
+def test_incompatible_peer_is_refused_with_reason(swarm: Swarm) -> None:
+    """Test 7: a peer with another model config is refused, and the message names what differs."""
+    swarm.start("a", rounds=3)
+    swarm.start("b", rounds=3)
+    swarm.wait_for(lambda: bool(swarm.events("a", "joined")) and bool(swarm.events("b", "joined")), 90, "a and b up")
+    other = swarm.start("other", "--preset", "small", rounds=3)
+    assert other.proc is not None and other.proc.wait(120) == 3
+    err = (other.workdir / "stderr.log").read_text()
+    assert "the swarm trains a different model" in err and "d_model: ours 320 vs theirs 128" in err, err[-2000:]
+    assert swarm.wait_exit(200) == {"a": 0, "b": 0, "other": 3}
+
+
+@pytest.mark.parametrize("fault,reason", [("nan", "malformed tensor"), ("wrong_numel", "elements, model has"),
+                                          ("zero_tokens", "token weight 0")])
+def test_bad_sender_excluded_round_succeeds(swarm: Swarm, fault: str, reason: str) -> None:
+    """Test 8: NaN, wrong shape or a zero weight: the sender is excluded, the round still commits for everyone."""
+    (_, low), (_, mid), (bad_id, high) = swarm.identities(3)
+    swarm.start("a", identity=low, rounds=2)
+    swarm.start("b", identity=mid, rounds=2)
+    swarm.start("bad", "--slowdown", "1.5", identity=high, faults=f"contribute={fault}@0", rounds=2)
+    codes = swarm.wait_exit(200)
+    assert codes == {"a": 0, "b": 0, "bad": 0}, swarm.tails()
+    first = next(e for e in swarm.events("a", "round") + swarm.events("b", "round") if e.get("role") == "leader" and e["round"] == 1)
+    assert bad_id in first["excluded"] and reason in first["excluded"][bad_id], first
+    assert first["member_count"] == 2
+    assert_no_split(swarm, ["a", "b", "bad"])
+
+
+def test_inflated_weight_is_capped(swarm: Swarm) -> None:
+    """Test 8 (weight): a member claiming 1e12 tokens is capped at weight_cap_factor × the leader's own."""
+    (_, low), (_, mid), (_, high) = swarm.identities(3)
+    swarm.start("a", identity=low, rounds=2)
+    swarm.start("b", identity=mid, rounds=2)
+    swarm.start("greedy", "--slowdown", "1.5", identity=high, faults="contribute=inflate@0", rounds=2)
+    swarm.wait_exit(200)
+    first = next(e for e in swarm.events("a", "round") + swarm.events("b", "round") if e.get("role") == "leader" and e["round"] == 1)
+    assert first["member_count"] == 3 and max(first["weights"]) <= 8 * min(first["weights"]) * 2, first
+    assert max(first["weights"]) < 10**6
+    assert_no_split(swarm, ["a", "b", "greedy"])
