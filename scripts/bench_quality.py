@@ -195,6 +195,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inner-steps", type=int, nargs="+", default=[50, 100, 250], help="H values to try")
     p.add_argument("--outer-lr", type=float, nargs="+", default=[0.5, 0.7, 1.0], help="outer Nesterov lr values to try")
     p.add_argument("--inner-lr", type=float, default=4e-4, help="inner AdamW learning rate (project default 4e-4)")
+    p.add_argument("--seed", type=int, default=0, help="model init and data order seed (rerun with others to gauge noise)")
     p.add_argument("--full-sweep", action="store_true", help="cross every H with every outer lr (slower)")
     p.add_argument("--workers", type=int, default=2, help="worker processes (one torch thread each)")
     p.add_argument("--timeout", type=float, default=3600, help="give up after this many seconds")
@@ -202,11 +203,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.quick:
-        cfg = QualityConfig(preset=args.preset, replicas=args.replicas, batch=2, steps=20, warmup=5, inner_lr=args.inner_lr)
+        cfg = QualityConfig(preset=args.preset, replicas=args.replicas, batch=2, steps=20, warmup=5, inner_lr=args.inner_lr,
+                            seed=args.seed)
         hs, lrs = [10], [0.7]
     else:
         cfg = QualityConfig(preset=args.preset, replicas=args.replicas, batch=args.batch, steps=args.steps,
-                            warmup=args.warmup, inner_lr=args.inner_lr)
+                            warmup=args.warmup, inner_lr=args.inner_lr, seed=args.seed)
         hs, lrs = sorted(args.inner_steps), sorted(args.outer_lr)
     jobs = plan_jobs(cfg, hs, lrs, full_sweep=args.full_sweep)
     started = time.perf_counter()
@@ -227,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
         f"mode: {MODE}",
         (f"preset {cfg.preset}, context {ctx_len}; baseline = one process, batch {cfg.batch * cfg.replicas} "
          f"(= sync data-parallel over {cfg.replicas} workers of batch {cfg.batch}), {cfg.steps} steps, inner AdamW lr {cfg.inner_lr}"),
-        f"DiLoCo M={cfg.replicas}: batch {cfg.batch} per replica, own shard each, token-weighted mean of Δ, Nesterov momentum 0.9",
+        f"seed {cfg.seed}; DiLoCo M={cfg.replicas}: batch {cfg.batch} per replica, own shard each, token-weighted mean of Δ, Nesterov momentum 0.9",
         f"warm-started runs: {cfg.warmup} data-parallel steps first (tokens included); solo = M=1 at the baseline batch",
         "ratio = eval loss / data-parallel eval loss (lower is better; 1.00 = parity)",
         f"best outer lr (lowest eval loss, per group): {best}; total wall {wall:.0f} s with {args.workers} workers",
