@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 from pathlib import Path
@@ -14,6 +15,7 @@ from peer.data import ShardSpec
 from peer.replica import Replica
 from peer.signals import StopFlag
 from peer.task import TaskContext, load_task
+from protocol.identity import IdentityError
 
 logger = logging.getLogger(__name__)
 
@@ -22,16 +24,32 @@ def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
     config_mod.add_arguments(parser)
 
 
-def build_replica(cfg: dict[str, Any]) -> Replica:
+def build_replica(cfg: dict[str, Any], *, data_seed: int = 0) -> Replica:
     run, train = cfg["run"], cfg["train"]
     ctx = TaskContext(
         shard=ShardSpec(index=run.shard_index, count=run.num_shards),
         seed=cfg["runtime"].seed,
+        data_seed=data_seed,
         preset=run.preset,
         batch_size=train.batch_size or None,
     )
     task = load_task(run.task, ctx)
     return Replica(task, train, cfg["outer"], cfg["runtime"])
+
+
+def identity_path(cfg: dict[str, Any]) -> str:
+    """The peer's identity file: --identity, or WORKDIR/identity.key (created on first use, so ids are stable)."""
+    return cfg["network"].identity or str(Path(cfg["run"].workdir) / "identity.key")
+
+
+def swarm_data_seed(cfg: dict[str, Any]) -> int:
+    """Per-peer data order, derived from the stable peer id: peers that share a shard still see different batches."""
+    from protocol.identity import load_or_create_identity
+
+    path = Path(identity_path(cfg))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    peer_id = load_or_create_identity(path).peer_id
+    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "little")
 
 
 def write_summary(path: str | None, summary: dict[str, Any]) -> None:
@@ -48,7 +66,7 @@ def run_peer(args: argparse.Namespace) -> int:
     try:
         cfg = config_mod.build_config(args)
         run = cfg["run"]
-        replica = build_replica(cfg)
+        replica = build_replica(cfg, data_seed=0 if run.solo else swarm_data_seed(cfg))
         stop = StopFlag().install()
         if run.solo:
             from peer.solo import run_solo
@@ -64,6 +82,6 @@ def run_peer(args: argparse.Namespace) -> int:
                 return 3
         write_summary(run.summary_json, summary)
         return 0
-    except (config_mod.ConfigError, CheckpointError, FileNotFoundError) as exc:
+    except (config_mod.ConfigError, CheckpointError, FileNotFoundError, IdentityError) as exc:
         logger.error("%s", exc)
         return 2

@@ -84,6 +84,7 @@ class RunConfig:
     slowdown: float = 1.0  # artificial slowdown factor for demos and tests (sleeps after each step)
     linger_s: float = 0.0  # swarm: keep serving state this long after the last round, for late peers
     coordinator: str | None = None  # URL of a coordinator to report to (never needed for training)
+    train_while_waiting: bool = True  # swarm: keep taking inner steps while a group forms (False = idle, lock-step)
 
     def __post_init__(self) -> None:
         _check(self.preset in PRESETS, "preset", self.preset, ", ".join(PRESETS))
@@ -141,6 +142,7 @@ OPTIONS: list[Option] = [
     Option("--slowdown", "run", "slowdown", "artificial slowdown factor (>=1) to emulate slower hardware"),
     Option("--linger", "run", "linger_s", "swarm: seconds to keep serving state after the last round"),
     Option("--coordinator", "run", "coordinator", "coordinator URL to report progress to (optional)"),
+    Option("--train-while-waiting", "run", "train_while_waiting", "swarm: keep training while the group forms (default on)"),
     Option("--inner-lr", "train", "lr", "inner AdamW learning rate"),
     Option("--weight-decay", "train", "weight_decay", "inner AdamW weight decay"),
     Option("--beta1", "train", "beta1", "inner AdamW beta1"),

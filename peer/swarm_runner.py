@@ -153,7 +153,10 @@ class SwarmPeer:
             if self.stop or (self.run.max_steps and r.step >= self.run.max_steps):
                 future.cancel()
                 break
-            self.train_step()
+            if self.run.train_while_waiting:
+                self.train_step()
+            else:
+                concurrent.futures.wait([future], timeout=0.2)
         wait_s = time.monotonic() - ready_at
         record: dict[str, Any] = {"round": r.round, "train_s": round_float(train_s), "wait_s": round_float(wait_s)}
         try:

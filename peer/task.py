@@ -28,7 +28,8 @@ class TaskContext:
     """What the peer tells a task factory about itself."""
 
     shard: corpus.ShardSpec = field(default_factory=corpus.ShardSpec)
-    seed: int = 0
+    seed: int = 0  # model init: must match across the swarm
+    data_seed: int = 0  # data order: differs per peer so replicas never train on identical batches
     preset: str = "tiny"
     batch_size: int | None = None
 
@@ -107,7 +108,8 @@ def default_task(ctx: TaskContext) -> Task:
         step = start_step
         while True:
             yield corpus.sample_batch(
-                train_data, batch_size=batch_size, seq_len=cfg.context, seed=ctx.seed, shard_index=ctx.shard.index, step=step
+                train_data, batch_size=batch_size, seq_len=cfg.context, seed=ctx.seed * 1_000_003 + ctx.data_seed,
+                shard_index=ctx.shard.index, step=step,
             )
             step += 1
 

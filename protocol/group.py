@@ -31,7 +31,7 @@ from protocol.codecs import CodecError, get_codec
 from protocol.faults import FaultInjector
 from protocol.node import SwarmNode
 from protocol.records import PROTOCOL_VERSION, PeerRecord, describe_difference
-from protocol.wire import WireError, close_writer, read_frame, write_frame
+from protocol.wire import WireError, close_writer, frame_bytes, read_frame, write_frame
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +166,10 @@ class GroupAverager:
             collect.members[peer] = (reader, writer)
             collect.changed.set()
             await collect.done  # keep the stream open until the exchange is over
-        except (WireError, asyncio.CancelledError) as exc:
+            # Closing our end resets the libp2p stream and can cut off a result still in flight: wait for the
+            # member to close first (it does once it has read the result), or for the deadline.
+            await asyncio.wait_for(reader.read(1), timeout=self.cfg.exchange_timeout_s)
+        except (WireError, asyncio.CancelledError, asyncio.TimeoutError, ConnectionError) as exc:
             logger.debug("join stream from %s ended: %r", peer, exc)
         finally:
             close_writer(writer)
@@ -361,7 +364,7 @@ class GroupAverager:
             raise RoundAborted(f"leader sent a malformed average: {exc}") from exc
         return Averaged(delta=averaged, members=list(result.members), weights=list(result.weights),
                         excluded=dict(zip(result.excluded, result.excluded_reasons)), new_state_hash=result.new_state_hash,
-                        bytes_sent=len(payload), bytes_received=len(body))
+                        bytes_sent=frame_bytes(header, len(payload)), bytes_received=frame_bytes(result, len(body)))
 
     async def reduce_as_leader(self, group: Group, delta: torch.Tensor, tokens: int, staleness: int) -> tuple[Averaged, bytes]:
         """Collect, validate and average contributions. Returns the average and its encoding (sent at commit)."""
@@ -376,7 +379,7 @@ class GroupAverager:
             try:
                 header, body = await read_frame(reader, pb.Contribution, max_payload=self.codec.encoded_size(self.model.numel),
                                                 timeout=self.cfg.exchange_timeout_s)
-                received += len(body)
+                received += frame_bytes(header, len(body))
                 problem = self._check_contribution(header)
                 if problem:
                     excluded[peer] = problem
@@ -430,7 +433,7 @@ class GroupAverager:
             nonlocal sent
             try:
                 await write_frame(group.streams[peer][1], result, encoded, timeout=self.cfg.exchange_timeout_s)
-                sent += len(encoded)
+                sent += frame_bytes(result, len(encoded))
             except WireError as exc:
                 logger.info("could not deliver the result to %s: %r (it will re-sync)", peer[-8:], exc)
 

@@ -69,6 +69,11 @@ async def read_frame(reader: asyncio.StreamReader, header_type: type[M], *, max_
     return header, payload
 
 
+def frame_bytes(header: Message, payload_len: int) -> int:
+    """Bytes a frame occupies on the stream (before libp2p's own encryption and multiplexing overhead)."""
+    return _U32.size + header.ByteSize() + _U64.size + payload_len
+
+
 def close_writer(writer: asyncio.StreamWriter) -> None:
     try:
         writer.close()
