@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    preset, donor_counts, reps = ("tiny", [1, 3], 3) if args.quick else (args.preset, args.donors, max(1, args.reps))
+    preset, donor_counts, reps = ("tiny", [1, 3], 1) if args.quick else (args.preset, args.donors, max(1, args.reps))
     params, nbytes = state_bytes(preset)
     rows, notes, results = [], [], {}
     for donors in donor_counts:
