@@ -84,6 +84,7 @@ class RunConfig:
     slowdown: float = 1.0  # artificial slowdown factor for demos and tests (sleeps after each step)
     linger_s: float = 0.0  # swarm: keep serving state this long after the last round, for late peers
     coordinator: str | None = None  # URL of a coordinator to report to (never needed for training)
+    wait_for_peers: int = 0  # swarm: do not start training until this many compatible peers (us included) are up
     train_while_waiting: bool = True  # swarm: keep taking inner steps while a group forms (False = idle, lock-step)
 
     def __post_init__(self) -> None:
@@ -96,6 +97,7 @@ class RunConfig:
         _check(self.eval_every >= 1, "eval_every", self.eval_every, ">= 1")
         _check(self.log_format in ("text", "json"), "log_format", self.log_format, "text, json")
         _check(1.0 <= self.slowdown <= 100.0, "slowdown", self.slowdown, "1 .. 100")
+        _check(0 <= self.wait_for_peers <= 10_000, "wait_for_peers", self.wait_for_peers, "0 .. 10000")
         _check(0.0 <= self.linger_s <= 3600.0, "linger", self.linger_s, "0 .. 3600 seconds")
         _check(self.coordinator is None or self.coordinator.startswith(("http://", "https://")), "coordinator",
                self.coordinator, "an http:// or https:// URL")
@@ -142,6 +144,7 @@ OPTIONS: list[Option] = [
     Option("--slowdown", "run", "slowdown", "artificial slowdown factor (>=1) to emulate slower hardware"),
     Option("--linger", "run", "linger_s", "swarm: seconds to keep serving state after the last round"),
     Option("--coordinator", "run", "coordinator", "coordinator URL to report progress to (optional)"),
+    Option("--wait-for-peers", "run", "wait_for_peers", "swarm: start training only once this many peers (us included) are up"),
     Option("--train-while-waiting", "run", "train_while_waiting", "swarm: keep training while the group forms (default on)"),
     Option("--inner-lr", "train", "lr", "inner AdamW learning rate"),
     Option("--weight-decay", "train", "weight_decay", "inner AdamW weight decay"),

@@ -243,6 +243,20 @@ class SwarmPeer:
         if problem:
             raise IncompatibleSwarm(problem)
 
+    def wait_for_peers(self, *, timeout: float = 300.0) -> None:
+        """Hold training until `--wait-for-peers` compatible peers are visible, so a fresh swarm starts together."""
+        wanted = self.run.wait_for_peers
+        deadline = time.monotonic() + timeout
+        while wanted > 1 and not self.stop and time.monotonic() < deadline:
+            records = self.node.call(self.node.fetch_records(), timeout=30)
+            records.pop(self.node.peer_id, None)
+            seen = 1 + sum(r.version == PROTOCOL_VERSION and r.fingerprint == self.model.fingerprint for r in records.values())
+            if seen >= wanted:
+                return
+            self.stop.event.wait(0.5)
+        if wanted > 1 and not self.stop:
+            logger.warning("only some of the %d peers showed up within %.0fs; starting anyway", wanted, timeout)
+
     def initial_sync(self) -> None:
         r = self.replica
         for _ in range(3):
@@ -270,6 +284,7 @@ class SwarmPeer:
             self.progress.event("joined", peer_id=self.node.peer_id, maddrs=self.node.visible_maddrs(), round=r.round)
             self.check_compatibility()
             self.reports.hello(r)
+            self.wait_for_peers()
             self.initial_sync()
             self.initial_eval = meta.get("initial_eval_loss") or r.evaluate_global()
             start_tokens, started = r.tokens, time.perf_counter()

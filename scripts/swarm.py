@@ -110,7 +110,8 @@ def _peer_argv(args: argparse.Namespace, i: int, workdir: Path, bootstrap: list[
             "--inner-steps", str(args.inner_steps), "--quorum", str(quorum), "--codec", args.codec,
             "--workdir", str(workdir), "--shard-index", str(i), "--num-shards", str(args.peers), "--log-format", "json",
             "--summary-json", str(workdir / "summary.json"), "--host-maddr", "/ip4/127.0.0.1/tcp/0", "--threads", str(threads),
-            "--slowdown", str(slowdowns[i]), "--linger", "5", "--checkpoint-every", "1", "--run-id", args.run_id]
+            "--slowdown", str(slowdowns[i]), "--linger", "5", "--checkpoint-every", "1", "--run-id", args.run_id,
+            "--wait-for-peers", str(args.peers)]
     if coordinator_url:
         argv += ["--coordinator", coordinator_url]
     for maddr in bootstrap:

@@ -40,11 +40,12 @@ class Swarm:
         return sorted(out)
 
     def start(self, name: str, *args: str, identity: Path | None = None, faults: str = "", rounds: int = 3,
-              inner_steps: int = 10, quorum: int = 2, resume: bool = False) -> PeerProc:
+              inner_steps: int = 10, quorum: int = 2, resume: bool = False, wait_for: int = 0) -> PeerProc:
         workdir = self.workdir / name
         argv = [sys.executable, "-m", "scripts.cli", "peer", *FAST, "--max-rounds", str(rounds), "--inner-steps", str(inner_steps),
                 "--quorum", str(quorum), "--workdir", str(workdir), "--log-format", "json", "--summary-json", str(workdir / "summary.json"),
-                "--host-maddr", "/ip4/127.0.0.1/tcp/0", "--run-id", self.run_id, "--linger", "8", *args]
+                "--host-maddr", "/ip4/127.0.0.1/tcp/0", "--run-id", self.run_id, "--linger", "8",
+                "--wait-for-peers", str(wait_for), *args]
         if identity is not None:
             argv += ["--identity", str(identity)]
         for maddr in self.bootstrap:

@@ -69,8 +69,8 @@ def test_late_joiner_gets_verified_state_before_contributing(swarm: Swarm) -> No
 
 def test_peer_killed_during_inner_steps(swarm: Swarm) -> None:
     """Test 3: SIGKILL one of three peers while it trains; the survivors complete the next rounds."""
-    swarm.start("a", rounds=4)
-    swarm.start("b", rounds=4)
+    swarm.start("a", rounds=4, wait_for=3)
+    swarm.start("b", rounds=4, wait_for=3)
     swarm.start("c", rounds=4, faults="inner_step=kill@1")
     codes = swarm.wait_exit(220)
     assert codes["c"] == -signal.SIGKILL
@@ -86,9 +86,10 @@ def test_leader_killed_mid_averaging_all_members_discard(swarm: Swarm) -> None:
     """Test 4a: the leader dies after averaging but before anyone has the result: every member discards the
     round, nobody applies half of it, and the survivors go on to commit the round together."""
     (id_low, low), (_, mid), (_, high) = swarm.identities(3)
-    swarm.start("leader", identity=low, faults="leader_before_commit=kill", rounds=3)
-    swarm.start("b", "--slowdown", "1.5", identity=mid, rounds=3)
-    swarm.start("c", "--slowdown", "1.5", identity=high, rounds=3)
+    # the doomed leader insists on all three (quorum 3), so both others are in the group it abandons
+    swarm.start("leader", "--quorum", "3", identity=low, faults="leader_before_commit=kill", rounds=3, wait_for=3)
+    swarm.start("b", "--slowdown", "1.5", identity=mid, rounds=3, wait_for=3)
+    swarm.start("c", "--slowdown", "1.5", identity=high, rounds=3, wait_for=3)
     codes = swarm.wait_exit(240)
     assert codes["leader"] == -signal.SIGKILL and swarm.events("leader", "fault")
     for name in ("b", "c"):
@@ -103,9 +104,9 @@ def test_leader_killed_mid_averaging_all_members_discard(swarm: Swarm) -> None:
 def test_member_killed_mid_averaging_survivors_agree(swarm: Swarm) -> None:
     """Test 4b: a member dies after sending its pseudo-gradient: all survivors apply the same result."""
     (_, low), (_, mid), (_, high) = swarm.identities(3)
-    swarm.start("a", identity=low, rounds=3)
-    swarm.start("b", identity=mid, rounds=3)
-    swarm.start("victim", "--slowdown", "1.5", identity=high, faults="member_after_send=kill@1", rounds=3)
+    swarm.start("a", identity=low, rounds=3, wait_for=3)
+    swarm.start("b", identity=mid, rounds=3, wait_for=3)
+    swarm.start("victim", "--slowdown", "1.5", identity=high, faults="member_after_send=kill@1", rounds=3, wait_for=3)
     codes = swarm.wait_exit(240)
     assert codes["victim"] == -signal.SIGKILL and swarm.events("victim", "fault")
     hashes = assert_no_split(swarm, ["a", "b"])
@@ -115,9 +116,9 @@ def test_member_killed_mid_averaging_survivors_agree(swarm: Swarm) -> None:
 def test_slow_peer_does_not_hold_back_and_catches_up(swarm: Swarm) -> None:
     """Test 5: a 4x slower peer (token budget, so it is late) does not delay the others; it re-syncs verified state."""
     budget = ["--round-tokens", str(10 * 4 * 128)]
-    swarm.start("a", *budget, rounds=4)
-    swarm.start("b", *budget, rounds=4)
-    swarm.start("slow", *budget, "--slowdown", "4", rounds=4)
+    swarm.start("a", *budget, rounds=4, wait_for=3)
+    swarm.start("b", *budget, rounds=4, wait_for=3)
+    swarm.start("slow", *budget, "--slowdown", "4", rounds=4, wait_for=3)
     codes = swarm.wait_exit(240)
     assert codes == {"a": 0, "b": 0, "slow": 0}, swarm.tails()
     fast = [e for e in swarm.events("a", "round") if e.get("outcome") == "committed"]
@@ -158,9 +159,9 @@ def test_incompatible_peer_is_refused_with_reason(swarm: Swarm) -> None:
 def test_bad_sender_excluded_round_succeeds(swarm: Swarm, fault: str, reason: str) -> None:
     """Test 8: NaN, wrong shape or a zero weight: the sender is excluded, the round still commits for everyone."""
     (_, low), (_, mid), (bad_id, high) = swarm.identities(3)
-    swarm.start("a", identity=low, rounds=2)
-    swarm.start("b", identity=mid, rounds=2)
-    swarm.start("bad", "--slowdown", "1.5", identity=high, faults=f"contribute={fault}@0", rounds=2)
+    swarm.start("a", identity=low, rounds=2, wait_for=3)
+    swarm.start("b", identity=mid, rounds=2, wait_for=3)
+    swarm.start("bad", "--slowdown", "1.5", identity=high, faults=f"contribute={fault}@0", rounds=2, wait_for=3)
     codes = swarm.wait_exit(200)
     assert codes == {"a": 0, "b": 0, "bad": 0}, swarm.tails()
     first = next(e for e in swarm.events("a", "round") + swarm.events("b", "round") if e.get("role") == "leader" and e["round"] == 1)
@@ -172,9 +173,9 @@ def test_bad_sender_excluded_round_succeeds(swarm: Swarm, fault: str, reason: st
 def test_inflated_weight_is_capped(swarm: Swarm) -> None:
     """Test 8 (weight): a member claiming 1e12 tokens is capped at weight_cap_factor × the leader's own."""
     (_, low), (_, mid), (_, high) = swarm.identities(3)
-    swarm.start("a", identity=low, rounds=2)
-    swarm.start("b", identity=mid, rounds=2)
-    swarm.start("greedy", "--slowdown", "1.5", identity=high, faults="contribute=inflate@0", rounds=2)
+    swarm.start("a", identity=low, rounds=2, wait_for=3)
+    swarm.start("b", identity=mid, rounds=2, wait_for=3)
+    swarm.start("greedy", "--slowdown", "1.5", identity=high, faults="contribute=inflate@0", rounds=2, wait_for=3)
     swarm.wait_exit(200)
     first = next(e for e in swarm.events("a", "round") + swarm.events("b", "round") if e.get("role") == "leader" and e["round"] == 1)
     assert first["member_count"] == 3 and max(first["weights"]) <= 8 * min(first["weights"]) * 2, first
