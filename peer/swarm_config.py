@@ -14,6 +14,7 @@ register_section("network", NetworkConfig, [
     Option("--identity", "network", "identity", "private key file giving a stable peer id (created if missing; default WORKDIR/identity.key)"),
     Option("--client-mode", "network", "client_mode", "do not accept incoming connections (behind NAT without relays)"),
     Option("--use-relay", "network", "use_relay", "allow libp2p circuit relays (hivemind use_relay)"),
+    Option("--data-plane", "network", "data_plane", "send round tensors over direct TCP when reachable (--no-data-plane: libp2p only)"),
     Option("--use-auto-relay", "network", "use_auto_relay", "look for relays automatically when behind NAT (hivemind use_auto_relay)"),
 ])
 

@@ -204,7 +204,8 @@ class SwarmPeer:
         mismatch = averaged.new_state_hash is not None and averaged.new_state_hash != new_hash
         entry = {**record, "outcome": "committed", "round": base_round + 1, "leader": group.leader, "members": averaged.members,
                  "weights": averaged.weights, "excluded": averaged.excluded, "state_hash": new_hash,
-                 "average_s": round_float(time.monotonic() - started), "role": "leader" if group.is_leader else "member"}
+                 "average_s": round_float(time.monotonic() - started), "role": "leader" if group.is_leader else "member",
+                 "direct": averaged.direct}
         if mismatch:
             entry["outcome"] = "hash_mismatch"
             entry["leader_hash"] = averaged.new_state_hash

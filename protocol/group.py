@@ -28,6 +28,7 @@ import torch
 
 from protocol import swarmloco_wire_pb2 as pb
 from protocol.codecs import CodecError, get_codec
+from protocol.data_plane import DataPlane, connect, hosts_from_maddrs
 from protocol.faults import FaultInjector
 from protocol.node import SwarmNode
 from protocol.records import PROTOCOL_VERSION, PeerRecord, describe_difference
@@ -104,6 +105,10 @@ class Group:
     streams: dict[str, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = field(default_factory=dict)
     is_leader: bool = False
     done: asyncio.Future[None] | None = None  # leader: resolves when handlers may close their streams
+    # direct TCP data connections: leader: token and future per member, then the member's connection once used;
+    # member: its connection to the leader, if it could open one
+    data_tokens: dict[str, tuple[str, asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]] = field(default_factory=dict)
+    data: dict[str, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = field(default_factory=dict)
 
 
 @dataclass
@@ -117,6 +122,7 @@ class Averaged:
     new_state_hash: str | None  # members: the leader's θ_{r+1} hash to compare against; leader: None
     bytes_sent: int
     bytes_received: int
+    direct: int = 0  # contributions that travelled on the TCP data plane (member: 1 if its own did)
 
 
 class RoundAborted(RuntimeError):
@@ -144,9 +150,17 @@ class GroupAverager:
         self._collect: _Collect | None = None
         self.refusals: list[str] = []  # incompatibility messages seen, for the user
         self.faults = FaultInjector()
+        self.data_plane: DataPlane | None = None
 
     async def register(self) -> None:
         await self.node.add_handler(self.handler_name, self._handle_join)
+        net = self.node.net
+        if net.data_plane:
+            listen = hosts_from_maddrs(list(net.host_maddrs))
+            advertise = hosts_from_maddrs(list(net.announce_maddrs) or self.node.visible_maddrs())
+            if advertise:
+                self.data_plane = DataPlane(bind_host=listen[0] if len(listen) == 1 else "0.0.0.0", advertise_hosts=advertise)
+                await self.data_plane.start()
 
     def set_state(self, round_number: int, state_hash: str) -> None:
         """Called (on the loop) whenever the global state this peer holds changes."""
@@ -287,10 +301,16 @@ class GroupAverager:
     async def _close(self, collect: _Collect) -> Group:
         collect.closed = True
         members = [self.node.peer_id, *collect.members]
-        message = pb.GroupClosed(round=collect.round, members=members, codec=self.cfg.codec, deadline_s=self.cfg.exchange_timeout_s)
         alive: dict[str, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}
+        tokens: dict[str, tuple[str, Any]] = {}
 
         async def notify(peer: str, stream: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None:
+            message = pb.GroupClosed(round=collect.round, members=members, codec=self.cfg.codec, deadline_s=self.cfg.exchange_timeout_s)
+            if self.data_plane is not None:
+                token, future = self.data_plane.expect()
+                tokens[peer] = (token, future)
+                message.data_addrs.extend(self.data_plane.addrs)
+                message.data_token = token
             try:
                 await write_frame(stream[1], message, timeout=10)
                 alive[peer] = stream
@@ -301,7 +321,7 @@ class GroupAverager:
         self._collect = None
         self.node.update_record(leading=0, ready=False)
         return Group(round=collect.round, leader=members[0], members=[members[0], *alive], codec=self.cfg.codec,
-                     streams=alive, is_leader=True, done=collect.done)
+                     streams=alive, is_leader=True, done=collect.done, data_tokens=tokens)
 
     async def _try_join(self, leader: str, round_number: int, state_hash: str, deadline: float) -> Group | Behind | float:
         """Join `leader`; returns a Group, a Behind, or how long to blacklist the leader."""
@@ -333,7 +353,12 @@ class GroupAverager:
                 close_writer(writer)
                 return 5.0
             self.node.update_record(ready=False)
-            return Group(round=round_number, leader=leader, members=list(closed.members), codec=closed.codec, streams={leader: (reader, writer)})
+            group = Group(round=round_number, leader=leader, members=list(closed.members), codec=closed.codec, streams={leader: (reader, writer)})
+            if self.node.net.data_plane and closed.data_addrs and closed.data_token:
+                direct = await connect(list(closed.data_addrs)[:8], closed.data_token)
+                if direct is not None:
+                    group.data[leader] = direct
+            return group
         except WireError as exc:
             logger.info("leader %s dropped us before the group closed: %r", leader[-8:], exc)
             close_writer(writer)
@@ -342,18 +367,22 @@ class GroupAverager:
     # --- the exchange ---------------------------------------------------------------------------------------------
     async def exchange_as_member(self, group: Group, delta: torch.Tensor, tokens: int, staleness: int) -> Averaged:
         reader, writer = group.streams[group.leader]
+        data_reader, data_writer = group.data.get(group.leader, (reader, writer))
         delta, tokens = self.faults.mutate_contribution(group.round, delta, tokens)
         try:
             payload = await asyncio.get_running_loop().run_in_executor(None, self.codec.encode, delta)
             header = pb.Contribution(tokens=tokens, codec=self.codec.name, numel=delta.numel(), staleness=staleness)
-            await write_frame(writer, header, payload, timeout=self.cfg.exchange_timeout_s)
+            if data_writer is not writer:  # announce on the control stream, move the bytes on the data connection
+                await write_frame(writer, pb.Contribution(via_data_plane=True), timeout=self.cfg.exchange_timeout_s)
+            await write_frame(data_writer, header, payload, timeout=self.cfg.exchange_timeout_s)
             self.faults.hit("member_after_send", group.round)
-            result, body = await read_frame(reader, pb.RoundResult, max_payload=self.codec.encoded_size(self.model.numel),
+            result, body = await read_frame(data_reader, pb.RoundResult, max_payload=self.codec.encoded_size(self.model.numel),
                                             timeout=self.cfg.exchange_timeout_s * 2)
         except WireError as exc:
             raise RoundAborted(f"lost the leader during the exchange: {exc}") from exc
         finally:
             close_writer(writer)
+            close_writer(data_writer)
         if result.outcome != pb.RoundResult.COMMITTED:
             raise RoundAborted(f"leader aborted the round: {result.reason}")
         if result.round != group.round or result.numel != self.model.numel or result.codec != self.codec.name:
@@ -364,7 +393,8 @@ class GroupAverager:
             raise RoundAborted(f"leader sent a malformed average: {exc}") from exc
         return Averaged(delta=averaged, members=list(result.members), weights=list(result.weights),
                         excluded=dict(zip(result.excluded, result.excluded_reasons)), new_state_hash=result.new_state_hash,
-                        bytes_sent=frame_bytes(header, len(payload)), bytes_received=frame_bytes(result, len(body)))
+                        bytes_sent=frame_bytes(header, len(payload)), bytes_received=frame_bytes(result, len(body)),
+                        direct=int(data_writer is not writer))
 
     async def reduce_as_leader(self, group: Group, delta: torch.Tensor, tokens: int, staleness: int) -> tuple[Averaged, bytes]:
         """Collect, validate and average contributions. Returns the average and its encoding (sent at commit)."""
@@ -376,9 +406,20 @@ class GroupAverager:
         async def collect(peer: str) -> None:
             nonlocal received
             reader, _ = group.streams[peer]
+            cap = self.codec.encoded_size(self.model.numel)
             try:
-                header, body = await read_frame(reader, pb.Contribution, max_payload=self.codec.encoded_size(self.model.numel),
-                                                timeout=self.cfg.exchange_timeout_s)
+                header, body = await read_frame(reader, pb.Contribution, max_payload=cap, timeout=self.cfg.exchange_timeout_s)
+                if header.via_data_plane:
+                    if peer not in group.data_tokens:
+                        excluded[peer] = "announced a data connection it was never offered"
+                        return
+                    try:
+                        direct = await asyncio.wait_for(asyncio.shield(group.data_tokens[peer][1]), self.cfg.exchange_timeout_s)
+                    except asyncio.TimeoutError:
+                        excluded[peer] = "announced a data connection that never arrived"
+                        return
+                    group.data[peer] = direct
+                    header, body = await read_frame(direct[0], pb.Contribution, max_payload=cap, timeout=self.cfg.exchange_timeout_s)
                 received += frame_bytes(header, len(body))
                 problem = self._check_contribution(header)
                 if problem:
@@ -409,7 +450,7 @@ class GroupAverager:
         encoded = await loop.run_in_executor(None, self.codec.encode, acc)
         averaged = await loop.run_in_executor(None, self.codec.decode, bytearray(encoded), self.model.numel)
         return Averaged(delta=averaged, members=members, weights=weights, excluded=excluded, new_state_hash=None,
-                        bytes_sent=0, bytes_received=received), encoded
+                        bytes_sent=0, bytes_received=received, direct=len(group.data)), encoded
 
     def _check_contribution(self, header: pb.Contribution) -> str:
         if header.codec != self.codec.name:
@@ -432,7 +473,8 @@ class GroupAverager:
         async def send(peer: str) -> None:
             nonlocal sent
             try:
-                await write_frame(group.streams[peer][1], result, encoded, timeout=self.cfg.exchange_timeout_s)
+                writer = group.data[peer][1] if peer in group.data else group.streams[peer][1]
+                await write_frame(writer, result, encoded, timeout=self.cfg.exchange_timeout_s)
                 sent += frame_bytes(result, len(encoded))
             except WireError as exc:
                 logger.info("could not deliver the result to %s: %r (it will re-sync)", peer[-8:], exc)
@@ -443,12 +485,18 @@ class GroupAverager:
 
     async def abort_as_leader(self, group: Group, reason: str) -> None:
         result = pb.RoundResult(outcome=pb.RoundResult.ABORTED, reason=reason, round=group.round)
-        await asyncio.gather(*(write_frame(s[1], result, timeout=5) for s in group.streams.values()), return_exceptions=True)
+        writers = [group.data[p][1] if p in group.data else s[1] for p, s in group.streams.items()]
+        await asyncio.gather(*(write_frame(w, result, timeout=5) for w in writers), return_exceptions=True)
         self.finish(group)
 
     def finish(self, group: Group) -> None:
         if group.done is not None and not group.done.done():
             group.done.set_result(None)
+        if self.data_plane is not None:
+            for token, _ in group.data_tokens.values():
+                self.data_plane.forget(token)
+        for _, writer in group.data.values():
+            close_writer(writer)  # TCP delivers what was written before the FIN
 
 
 def choose_target(records: dict[str, PeerRecord], me: str, round_number: int, state_hash: str) -> Behind | None:

@@ -36,6 +36,7 @@ class NetworkConfig:
     client_mode: bool = False
     use_relay: bool = True
     use_auto_relay: bool = False
+    data_plane: bool = True  # move round tensors over direct TCP when the leader is reachable (libp2p otherwise)
     record_ttl_s: float = 20.0
     heartbeat_s: float = 2.0
 

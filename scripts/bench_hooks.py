@@ -52,7 +52,7 @@ def _allreduce_worker(index: int, bootstrap: list[str], numel: int, peers: int, 
                 averaged = node.call(averager.exchange_as_member(group, delta, 1000, 0), timeout=600)
                 sent, received = averaged.bytes_sent, averaged.bytes_received
             results.append({"rep": rep, "t0": t0, "t1": time.time(), "leader": group.is_leader, "sent": sent, "received": received,
-                            "members": len(group.members)})
+                            "members": len(group.members), "direct": averaged.direct})
         out.put({"index": index, "results": results, "error": None})
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the measurement
         out.put({"index": index, "results": [], "error": repr(exc)})
@@ -97,6 +97,8 @@ def ours_allreduce_seconds(size_mb: int, peers: int, reps: int, codec: str) -> l
         if any(r["members"] != peers for r in rows):
             raise RuntimeError(f"rep {rep}: a group of {[r['members'] for r in rows]} formed, expected {peers}")
         times.append(max(r["t1"] for r in rows) - min(r["t0"] for r in rows))
+    if any(r["leader"] and r["direct"] != peers - 1 for o in outputs for r in o["results"]):
+        raise RuntimeError("some contributions fell back to libp2p streams; the measurement would mix transports")
     return times
 
 
