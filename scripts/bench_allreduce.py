@@ -6,7 +6,7 @@
   formed the full group (stage AWAITING_TRIGGER), all peers pass a barrier, then each times
   `allow_allreduce()` → `result()`. A rep is the slowest peer's time, so matchmaking (the DHT part, ~seconds) is
   excluded and reported separately as `hivemind_step_s` (the whole `.step()` call). One warm-up round first.
-- ours: `protocol.bench_hooks.ours_allreduce_seconds(size_mb, peers, reps, codec)`, imported lazily; when missing the
+- ours: `bench_hooks.ours_allreduce_seconds(size_mb, peers, reps, codec)`, imported lazily; when missing the
   table says so and the JSON holds null.
 """
 from __future__ import annotations
@@ -25,9 +25,9 @@ from scripts.bench_common import (
     NOT_AVAILABLE,
     free_port,
     kill_processes,
-    load_hook,
     median,
     ratio,
+    run_hook,
     table,
     write_json,
 )
@@ -169,16 +169,12 @@ def hivemind_seconds(size_mb: float, peers: int, reps: int, timeout: float) -> t
     return allreduce, step
 
 
-def ours_seconds(size_mb: int, peers: int, reps: int, codec: str) -> tuple[list[float] | None, str]:
-    hook, why = load_hook("ours_allreduce_seconds")
-    if hook is None:
+def ours_seconds(size_mb: int, peers: int, reps: int, codec: str, timeout: float) -> tuple[list[float] | None, str]:
+    value, why = run_hook("ours_allreduce_seconds", size_mb, peers, reps, codec, timeout=timeout)
+    if value is None:
         return None, why
-    try:
-        times = [float(t) for t in hook(size_mb, peers, reps, codec)]
-    except Exception as exc:  # a failing hook is reported, never replaced by a number
-        logger.exception("ours_allreduce_seconds(%s, %s, %s, %r) failed", size_mb, peers, reps, codec)
-        return None, f"failed: {exc!r}"
-    if not times or any(t <= 0 for t in times):
+    times = [float(t) for t in value]
+    if not times or any(not t > 0 for t in times):
         return None, f"hook returned invalid times {times}"
     return times, ""
 
@@ -194,7 +190,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     sizes, peer_counts, reps = ([1], [2], 3) if args.quick else (args.size_mb, args.peers, max(3, args.reps))
-    codecs = list(dict.fromkeys(["fp32", *args.codecs]))
+    codecs = ["fp32"] if args.quick else list(dict.fromkeys(["fp32", *args.codecs]))
     results: dict[str, dict[str, Any]] = {}
     rows, notes = [], []
     for size in sizes:
@@ -208,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
                                      "gloo_all_s": gloo, "hivemind_all_s": hv, "ours_codec_s": {}, "ours_note": None}
             for codec in codecs:
                 logger.info("allreduce %d MiB, %d peers: ours (%s)", size, peers, codec)
-                times, why = ours_seconds(size, peers, reps, codec)
+                times, why = ours_seconds(size, peers, reps, codec, args.timeout)
                 entry["ours_codec_s"][codec] = median(times)
                 if why:
                     entry["ours_note"] = why

@@ -8,7 +8,7 @@ Analytic model (same model, same per-peer batch b of T-token sequences, M peers)
   round = 2·(M−1)/M · bytes_c(P); tokens per peer per round = H·b·T. So DP / DiLoCo = 4·P·H / bytes_c(P).
 - bytes_c per tensor of n elements: fp32 4n, fp16 2n, int8 n + 2·⌈n/64⌉, int4 ⌈n/2⌉ + 2·⌈n/64⌉ (blockwise absmax,
   one fp16 scale per 64-element block), summed over the model's parameter tensors; headers are ignored.
-The measured column calls `protocol.bench_hooks.measured_round_bytes(codec, peers)` (bytes counted where our
+The measured column calls `bench_hooks.measured_round_bytes(codec, peers)` (bytes counted where our
 averaging writes to the wire) and scales its per-parameter cost to this model.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import logging
 import math
 from typing import Any
 
-from scripts.bench_common import NOT_AVAILABLE, load_hook, ratio, table, write_json
+from scripts.bench_common import NOT_AVAILABLE, ratio, run_hook, table, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -56,18 +56,14 @@ def diloco_bytes_per_token(encoded: int, peers: int, inner_steps: int, tokens_pe
     return 2 * (peers - 1) / peers * encoded / (inner_steps * tokens_per_step)
 
 
-def measured(codec: str, peers: int) -> tuple[dict[str, Any] | None, str]:
-    hook, why = load_hook("measured_round_bytes")
-    if hook is None:
+def measured(codec: str, peers: int, timeout: float) -> tuple[dict[str, Any] | None, str]:
+    value, why = run_hook("measured_round_bytes", codec, peers, timeout=timeout)
+    if value is None:
         return None, why
-    try:
-        out = dict(hook(codec, peers))
-        if not out.get("params") or out.get("sent_bytes") is None:
-            return None, f"hook returned {out} (needs params and sent_bytes)"
-        return out, ""
-    except Exception as exc:
-        logger.exception("measured_round_bytes(%r, %d) failed", codec, peers)
-        return None, f"failed: {exc!r}"
+    out = dict(value)
+    if not out.get("params") or out.get("sent_bytes") is None:
+        return None, f"hook returned {out} (needs params and sent_bytes)"
+    return out, ""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -76,6 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inner-steps", type=int, nargs="+", default=[50, 100, 250, 500], help="H values (inner steps per round)")
     p.add_argument("--batch", type=int, default=0, help="sequences per peer step (0 = the task's default per preset)")
     p.add_argument("--codecs", nargs="+", default=list(CODECS), help="codecs to report")
+    p.add_argument("--timeout", type=float, default=300, help="seconds allowed per measured round")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
     m = args.peers
     if m < 2:
         raise SystemExit("comm: --peers must be >= 2")
-    measured_by_codec = {c: measured(c, m) for c in args.codecs}
+    # --quick measures one codec only (each measured round starts real peers)
+    measured_by_codec = {c: measured(c, m, args.timeout) if not args.quick or c == "fp32" else (None, "") for c in args.codecs}
     results: dict[str, Any] = {}
     rows, notes = [], []
     for preset in presets:
@@ -124,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         "DiLoCo = star/leader-reduce: member sends encoded Δ, receives encoded average; mean over peers incl. leader",
         "int8/int4 = blockwise absmax, one fp16 scale per 64 elements; payload only (no headers)",
         "DP÷DiLoCo = data-parallel bytes per token / DiLoCo bytes per token (goal DESIGN §3: >= 1000)",
-        "measured = protocol.bench_hooks.measured_round_bytes: wire bytes sent per peer per round / params, and / analytic",
+        "measured = bench_hooks.measured_round_bytes: wire bytes sent per peer per round / params, and / analytic",
     ]
     headers = ["preset", "scheme", "bytes/param", "sent/peer/round MB", f"bytes/token (H={mid})"] + \
               [f"DP÷DiLoCo H={h}" for h in hs] + ["measured bytes/param", "measured/analytic"]

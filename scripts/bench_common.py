@@ -6,6 +6,7 @@ and write the same numbers as JSON. Every multi-process benchmark cleans up the 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import logging
 import math
@@ -21,21 +22,76 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-HOOKS_MODULE = "protocol.bench_hooks"
-NOT_AVAILABLE = f"not available ({HOOKS_MODULE} missing)"
+# Where our side of the benchmarks lives: the first of these that exists is used.
+HOOKS_MODULES = ("scripts.bench_hooks", "protocol.bench_hooks")
+HOOKS_MODULE = HOOKS_MODULES[-1]
+NOT_AVAILABLE = f"not available ({' / '.join(HOOKS_MODULES)} missing)"
+
+
+def hooks_module_name() -> str | None:
+    """The importable hooks module, found without importing it (None when there is none yet)."""
+    for name in HOOKS_MODULES:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return name
+        except ImportError:
+            continue
+    return None
 
 
 def load_hook(name: str) -> tuple[Callable[..., Any] | None, str]:
-    """The named function from protocol.bench_hooks, imported lazily; (None, reason) when it is not there yet."""
-    try:
-        module = importlib.import_module(HOOKS_MODULE)
-    except ImportError as exc:
-        logger.info("%s: %s", HOOKS_MODULE, exc)
+    """The named function from the hooks module, imported lazily; (None, reason) when it is not there yet."""
+    module_name = hooks_module_name()
+    if module_name is None:
         return None, NOT_AVAILABLE
+    module = importlib.import_module(module_name)
     fn = getattr(module, name, None)
     if not callable(fn):
-        return None, f"not available ({HOOKS_MODULE}.{name} missing)"
+        return None, f"not available ({module_name}.{name} missing)"
     return fn, ""
+
+
+def _hook_child(name: str, args: tuple[Any, ...], optional: dict[str, Any], out: Any) -> None:
+    """Runs in a child process: import the hook, call it, send back ("ok", value) or (status, message)."""
+    import inspect
+
+    fn, why = load_hook(name)
+    if fn is None:
+        out.put(("missing", why))
+        return
+    params = inspect.signature(fn).parameters
+    kwargs = {k: v for k, v in optional.items() if k in params}
+    try:
+        out.put(("ok", fn(*args, **kwargs)))
+    except Exception as exc:
+        logger.exception("bench hook %s failed", name)
+        out.put(("error", f"failed: {exc!r}"))
+
+
+def run_hook(name: str, *args: Any, timeout: float, optional: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """Call the hooks module's <name>(*args) in a child process with a timeout; (value, "") or (None, reason).
+
+    `optional` keyword arguments are passed only if the hook's signature accepts them. The child and everything it
+    started are killed by pid when the call returns or times out.
+    """
+    import queue
+
+    if hooks_module_name() is None:
+        return None, NOT_AVAILABLE
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_hook_child, args=(name, args, optional or {}, out), daemon=False)
+    try:
+        proc.start()
+        try:
+            status, value = out.get(timeout=timeout)
+        except queue.Empty:
+            return None, f"timed out after {timeout:.0f} s"
+    finally:
+        kill_processes([proc])
+    if status == "ok":
+        return value, ""
+    return None, value
 
 
 def median(values: Sequence[float] | None) -> float | None:

@@ -2,7 +2,7 @@
 1 and from 3 donors, against the time to move the same bytes over plain TCP on loopback (one sender per donor).
 
 The baseline is measured now (`scripts.bench_net.socket_seconds`: sender and receiver processes, timed from "all
-connected, go" until the receiver holds every byte). Ours calls `protocol.bench_hooks.join_seconds(preset, donors)`
+connected, go" until the receiver holds every byte). Ours calls `bench_hooks.join_seconds(preset, donors)`
 lazily: seconds from the joiner's first state request to holding a hash-verified state; null when missing.
 """
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 
 from scripts.bench_common import (
     NOT_AVAILABLE,
-    load_hook,
     median,
     ratio,
+    run_hook,
     table,
     write_json,
 )
@@ -32,15 +32,13 @@ def state_bytes(preset: str) -> tuple[int, int]:
     return params, 2 * 4 * params
 
 
-def ours_join(preset: str, donors: int, reps: int) -> tuple[list[float] | None, str]:
-    hook, why = load_hook("join_seconds")
-    if hook is None:
-        return None, why
-    try:
-        times = [float(hook(preset, donors)) for _ in range(reps)]
-    except Exception as exc:
-        logger.exception("join_seconds(%r, %d) failed", preset, donors)
-        return None, f"failed: {exc!r}"
+def ours_join(preset: str, donors: int, reps: int, timeout: float) -> tuple[list[float] | None, str]:
+    times = []
+    for _ in range(reps):
+        value, why = run_hook("join_seconds", preset, donors, timeout=timeout)
+        if value is None:
+            return None, why
+        times.append(float(value))
     return (times, "") if all(t > 0 for t in times) else (None, f"hook returned invalid times {times}")
 
 
@@ -48,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="base", help="model preset whose θ + momentum the joiner fetches")
     p.add_argument("--donors", type=int, nargs="+", default=[1, 3], help="donor counts to try")
     p.add_argument("--reps", type=int, default=3, help="repetitions per measurement (median reported)")
-    p.add_argument("--timeout", type=float, default=300, help="seconds allowed per socket transfer")
+    p.add_argument("--timeout", type=float, default=300, help="seconds allowed per socket transfer and per join")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     rows, notes, results = [], [], {}
     for donors in donor_counts:
         sock = [socket_seconds(nbytes, streams=donors, timeout=args.timeout) for _ in range(reps)]
-        ours, why = ours_join(preset, donors, reps)
+        ours, why = (None, "skipped in --quick") if args.quick and donors > 1 else ours_join(preset, donors, reps, args.timeout)
         if why:
             notes.append(f"ours ({donors} donors): {why}")
         sock_s = float(median(sock) or 0.0)
@@ -72,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     notes = list(dict.fromkeys(notes)) + [
         f"preset {preset}: {params:,} parameters; state = fp32 θ + fp32 outer momentum = {nbytes:,} bytes",
         f"plain socket: one TCP connection per donor on 127.0.0.1, each sending 1/donors of the bytes; median of {reps}",
-        "ours = protocol.bench_hooks.join_seconds: first request → hash-verified state held by the joiner",
+        "ours = bench_hooks.join_seconds: first request → hash-verified state held by the joiner",
     ]
     print(table("join: fetching the global state, seconds", ["donors", "MiB", "plain socket s", "socket MiB/s", "ours s",
                                                              "ours/socket"], rows, notes))

@@ -2,19 +2,24 @@
 for our asynchronous quorum rounds and for a synchronous wait-for-everyone mode run the same way; on loopback and
 with every peer in its own network namespace behind a link shaped to 100 Mbit/s.
 
-The swarm runs come from `protocol.bench_hooks.utilisation(slowdowns, mode, shaped, netns=None)` (lazy; null when
-missing); `netns`, passed only when the hook accepts it, lists (namespace, address) per peer, created here by
-`scripts.bench_net.shaped_star`. A self-check first measures a TCP transfer through one shaped link (~100 Mbit/s).
+The swarm runs come from the hooks module's `utilisation(slowdowns, mode, shaped, netns=None)` (scripts.bench_hooks,
+else protocol.bench_hooks; called in a child process with a timeout; null when missing). `netns` lists
+(namespace, address) per peer, created here by `scripts.bench_net.shaped_star`. A self-check first measures a TCP transfer through one shaped link (~100 Mbit/s).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import logging
 from typing import Any
 
-from scripts.bench_common import NOT_AVAILABLE, load_hook, table, write_json
+from scripts.bench_common import (
+    NOT_AVAILABLE,
+    hooks_module_name,
+    run_hook,
+    table,
+    write_json,
+)
 from scripts.bench_net import NetnsUnavailable, shaped_link_check, shaped_star
 
 logger = logging.getLogger(__name__)
@@ -22,28 +27,30 @@ logger = logging.getLogger(__name__)
 MODES = ("async", "sync")
 
 
-def call_hook(slowdowns: list[float], mode: str, shaped: bool) -> tuple[dict[str, Any] | None, str]:
-    hook, why = load_hook("utilisation")
-    if hook is None:
-        return None, why
+def call_hook(slowdowns: list[float], mode: str, shaped: bool, timeout: float, *, rounds: int | None = None) -> tuple[dict[str, Any] | None, str]:
+    if not hook_available():
+        return None, NOT_AVAILABLE
     try:
         with contextlib.ExitStack() as stack:
-            kwargs: dict[str, Any] = {}
-            if shaped and "netns" in inspect.signature(hook).parameters:
+            optional: dict[str, Any] = {} if rounds is None else {"rounds": rounds}
+            if shaped:
                 namespaces = stack.enter_context(shaped_star(len(slowdowns)))
-                kwargs["netns"] = [(ns.name, ns.address) for ns in namespaces]
-            return dict(hook(list(slowdowns), mode, shaped, **kwargs)), ""
+                optional["netns"] = [(ns.name, ns.address) for ns in namespaces]
+            value, why = run_hook("utilisation", list(slowdowns), mode, shaped, timeout=timeout, optional=optional)
     except NetnsUnavailable as exc:
         return None, f"skipped: {exc}"
-    except Exception as exc:
-        logger.exception("utilisation(%s, %r, %s) failed", slowdowns, mode, shaped)
-        return None, f"failed: {exc!r}"
+    return (dict(value), "") if value is not None else (None, why)
+
+
+def hook_available() -> bool:
+    return hooks_module_name() is not None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slowdowns", type=float, nargs="+", default=[1, 1, 2, 4], help="per-peer slowdown factors")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="round modes to compare")
     p.add_argument("--no-shaped", action="store_true", help="skip the namespace runs with 100 Mbit/s links")
+    p.add_argument("--timeout", type=float, default=900, help="seconds allowed per swarm run")
     p.add_argument("--check-mb", type=float, default=25, help="MiB sent through the shaped link by the self-check")
 
 
@@ -63,22 +70,26 @@ def run(args: argparse.Namespace) -> int:
     elif check_note:
         print(check_note)
     rows, notes, runs = [], [check_note] if check_note else [], []
-    for shaped in ([False] if args.no_shaped or check is None else [False, True]):
-        for mode in args.modes:
-            out, why = call_hook(slowdowns, mode, shaped)
+    # --quick: one short loopback run (the shaped links are exercised by the self-check above)
+    shaped_modes = [False] if args.quick or args.no_shaped or check is None else [False, True]
+    for shaped in shaped_modes:
+        for mode in ["async"] if args.quick else args.modes:
+            out, why = call_hook(slowdowns, mode, shaped, args.timeout, rounds=1 if args.quick else None)
             runs.append({"mode": mode, "shaped": shaped, "result": out, "note": why or None})
             if out is None:
                 notes.append(f"{mode}, {'100 Mbit/s' if shaped else 'loopback'}: {why}")
-                rows.append([mode, shaped, "—", "not available" if why == NOT_AVAILABLE else "failed", "—", "—"])
+                rows.append([mode, shaped, "—", "not available" if why == NOT_AVAILABLE else "failed", "—", "—", "—", "—"])
                 continue
             for slow, peer in zip(slowdowns, out.get("peers", [])):
                 wall = float(peer["wall_s"]) or float("nan")
-                rows.append([mode, shaped, slow, float(peer["compute_s"]) / wall, float(peer["wait_s"]) / wall, wall])
+                rows.append([mode, shaped, slow, float(peer["compute_s"]) / wall, float(peer["wait_s"]) / wall, wall,
+                             peer.get("rounds_committed"), peer.get("tokens")])
     if any(n.endswith(NOT_AVAILABLE) for n in notes):
         print(f"ours: {NOT_AVAILABLE}")
     notes += ["compute share = compute_s / wall_s per peer; wait = time blocked on rounds (goal DESIGN §3: >= 97% compute)"]
     print(table(f"utilisation: peers slowed {', '.join(f'{s:g}x' for s in slowdowns)}",
-                ["mode", "shaped 100 Mbit/s", "slowdown", "compute share", "wait share", "wall s"], rows, notes))
+                ["mode", "shaped 100 Mbit/s", "slowdown", "compute share", "wait share", "wall s", "rounds committed",
+                 "tokens"], rows, notes))
     write_json(args.json, {"benchmark": "utilisation", "quick": bool(args.quick), "slowdowns": slowdowns,
                            "shaped_link_check": check, "shaped_link_note": check_note or None, "runs": runs})
     return 0

@@ -78,6 +78,9 @@ def test_comm_quick(tmp_path: Path) -> None:
     ratios = {c: v["dp_over_diloco"]["100"] for c, v in tiny["codecs"].items()}
     assert ratios["fp32"] == pytest.approx(100.0)
     assert ratios["fp32"] < ratios["fp16"] < ratios["int8"] < ratios["int4"] < 800
+    measured = tiny["codecs"]["fp32"]["measured_over_analytic"]
+    if measured is not None:  # wire bytes = payload + small headers
+        assert 0.99 < measured < 1.1, measured
 
 
 @pytest.mark.timeout(130)
@@ -98,3 +101,5 @@ def test_utilisation_quick(tmp_path: Path) -> None:
         assert 0 < check["mbit_s"] < 150, f"link shaped to 100 Mbit/s measured {check['mbit_s']:.0f} Mbit/s"
     for run in data["runs"]:
         assert run["result"] is not None or run["note"]
+        for peer in (run["result"] or {}).get("peers", []):
+            assert 0 < peer["compute_s"] <= peer["wall_s"] * 1.01 and peer["wait_s"] >= 0, peer
