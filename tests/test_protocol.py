@@ -150,3 +150,32 @@ def test_download_rejects_lying_donor_and_uses_honest_one() -> None:
         for node in nodes:
             node.shutdown()
         time.sleep(0.5)
+
+
+def test_data_plane_accepts_only_offered_tokens_once() -> None:
+    from protocol.data_plane import DataPlane, connect, hosts_from_maddrs
+
+    assert hosts_from_maddrs(["/ip4/0.0.0.0/tcp/1", "/ip4/10.0.0.2/tcp/5/p2p/x", "/ip6/::1/tcp/3", "/ip4/10.0.0.2/udp/4"]) == ["10.0.0.2"]
+
+    async def main() -> None:
+        plane = DataPlane(bind_host="127.0.0.1", advertise_hosts=["127.0.0.1"])
+        await plane.start()
+        try:
+            token, future = plane.expect()
+            stranger = await connect(plane.addrs, "not-a-token")
+            assert stranger is not None  # the TCP connect works, but the leader drops it
+            assert await asyncio.wait_for(stranger[0].read(1), 5) == b""
+            assert not future.done()
+            member = await connect(plane.addrs, token)
+            assert member is not None
+            reader, writer = await asyncio.wait_for(future, 5)
+            writer.write(b"ok")
+            await writer.drain()
+            assert await member[0].readexactly(2) == b"ok"
+            replay = await connect(plane.addrs, token)  # a used token is worthless
+            assert replay is not None and await asyncio.wait_for(replay[0].read(1), 5) == b""
+            assert await connect(["127.0.0.1:1"], token, timeout=1) is None
+        finally:
+            await plane.close()
+
+    asyncio.run(main())

@@ -181,3 +181,14 @@ def test_inflated_weight_is_capped(swarm: Swarm) -> None:
     assert first["member_count"] == 3 and max(first["weights"]) <= 8 * min(first["weights"]) * 2, first
     assert max(first["weights"]) < 10**6
     assert_no_split(swarm, ["a", "b", "greedy"])
+
+
+def test_libp2p_fallback_without_data_plane(swarm: Swarm) -> None:
+    """A peer that refuses the TCP data plane still averages with the others over libp2p streams."""
+    swarm.start("a", rounds=2, wait_for=2)
+    swarm.start("b", "--no-data-plane", rounds=2, wait_for=2)
+    assert swarm.wait_exit(200) == {"a": 0, "b": 0}, swarm.tails()
+    hashes = assert_no_split(swarm, ["a", "b"])
+    assert sorted(hashes) == [1, 2]
+    leader_rounds = [e for n in ("a", "b") for e in swarm.events(n, "round") if e.get("role") == "leader"]
+    assert leader_rounds and all(e["direct"] == 0 for e in leader_rounds), leader_rounds
