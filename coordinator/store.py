@@ -193,9 +193,12 @@ class SQLiteStore:
                       " tokens_per_s, tokens_total) VALUES (?,?,?,?,?,?,?,?,?)",
                       (report_id, *key, r.timestamp, b["step"], b["train_loss"], b.get("eval_loss"),
                        b["tokens_per_s"], b["tokens_total"]))
-            c.execute("UPDATE peers SET tokens_total=MAX(tokens_total, ?), last_train_loss=?, "
-                      "last_tokens_per_s=? WHERE run_id=? AND peer_id=?",
-                      (b["tokens_total"], b["train_loss"], b["tokens_per_s"], *key))
+            # An eval-only sample (no train loss, tokens_per_s 0) must not blank the peer's last training figures.
+            training = b["train_loss"] is not None
+            c.execute("UPDATE peers SET tokens_total=MAX(tokens_total, ?), "
+                      "last_train_loss=COALESCE(?, last_train_loss), "
+                      "last_tokens_per_s=CASE WHEN ? THEN ? ELSE last_tokens_per_s END WHERE run_id=? AND peer_id=?",
+                      (b["tokens_total"], b["train_loss"], training and b["tokens_per_s"] > 0, b["tokens_per_s"], *key))
         elif r.kind == "round":
             self._apply_round(r, report_id)
 

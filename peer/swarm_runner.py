@@ -171,7 +171,9 @@ class SwarmPeer:
         if isinstance(outcome, Behind):
             self.node.update_record(ready=False)
             self._log_round({**record, "outcome": "behind", "target_round": outcome.round})
-            self.sync_to(outcome)
+            if not self.sync_to(outcome) and self.run.max_rounds and outcome.round >= self.run.max_rounds:
+                # The swarm is done and its peers are leaving: nothing left to join, so do not wait forever.
+                self.stop.request(f"the swarm finished round {outcome.round} and its final state could not be fetched")
             return
         self.exchange(outcome, record)
 

@@ -121,8 +121,9 @@ function updateCharts() {
   charts.eval.update();
 
   const t0 = state.metrics.length ? Math.min(...state.metrics.map((m) => m.timestamp)) : 0;
-  charts.throughput.data.datasets = peerDatasets(byPeer(state.metrics, "tokens_per_s"),
-                                                 (m) => m.timestamp - t0, "tokens_per_s");
+  // eval-only samples (no train loss) and a peer's first step carry tokens_per_s 0, not a measurement
+  const rates = state.metrics.filter((m) => m.train_loss !== null && m.tokens_per_s > 0);
+  charts.throughput.data.datasets = peerDatasets(byPeer(rates, "tokens_per_s"), (m) => m.timestamp - t0, "tokens_per_s");
   charts.throughput.update();
 
   const shown = ordered.slice(-60);
