@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,9 +35,21 @@ def run_bench(args: list[str], tmp_path: Path, timeout: float) -> tuple[str, dic
             except ProcessLookupError:
                 pass
         proc.wait(10)
+        _delete_our_namespaces(f"slb{proc.pid % 100000}")
     assert proc.returncode == 0, f"bench {args[0]} exited {proc.returncode}:\n{stderr[-3000:]}"
     assert "| " in stdout and "|---" in stdout, f"no table printed:\n{stdout}"
     return stdout, json.loads(out.read_text())
+
+
+def _delete_our_namespaces(tag: str) -> None:
+    """Namespaces the killed benchmark would have deleted itself (scripts.bench_net names them after its pid)."""
+    if os.geteuid() != 0:
+        return
+    listed = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True, timeout=30).stdout
+    for line in listed.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        if name == f"{tag}hub" or re.fullmatch(rf"{tag}p\d+", name):
+            subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True, timeout=30)
 
 
 def positive(x: Any) -> bool:
