@@ -287,9 +287,11 @@ class SwarmPeer:
             self.progress.event("joined", peer_id=self.node.peer_id, maddrs=self.node.visible_maddrs(), round=r.round)
             self.check_compatibility()
             self.reports.hello(r)
+            # θ_0 is the same on every fresh peer (same seed), so this is the run's initial loss, measured before
+            # any state is pulled from the swarm; a resumed peer keeps the value from its checkpoint.
+            self.initial_eval = meta.get("initial_eval_loss") or r.evaluate_global()
             self.wait_for_peers()
             self.initial_sync()
-            self.initial_eval = meta.get("initial_eval_loss") or r.evaluate_global()
             start_tokens, started = r.tokens, time.perf_counter()
             try:
                 while not self.done():

@@ -29,7 +29,7 @@ def add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="tiny", help="model preset of the default task: tiny, small, base")
     parser.add_argument("--rounds", type=int, default=3, help="outer rounds each peer trains for")
     parser.add_argument("--inner-steps", type=int, default=30, help="H: inner steps per round")
-    parser.add_argument("--quorum", type=int, default=0, help="K, minimum group size (0 = all peers up to 3)")
+    parser.add_argument("--quorum", type=int, default=0, help="K, minimum group size (0 = half the peers, at least 2)")
     parser.add_argument("--codec", default="int8", help="pseudo-gradient codec: fp32, fp16, bf16, int8, int4")
     parser.add_argument("--workdir", default="runs/swarm", help="directory for per-peer logs, checkpoints and identities")
     parser.add_argument("--slowdown", default="", help="per-peer slowdown factors, e.g. 1,1,2,4 (a peer with 4 sleeps 3x its step time after every step)")
@@ -95,6 +95,10 @@ class PeerProc:
         return new
 
 
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def _become_subreaper() -> None:
     """Orphans of killed peers (their DHT process, p2pd) re-parent to us, so nothing escapes cleanup."""
     try:
@@ -105,7 +109,7 @@ def _become_subreaper() -> None:
 
 def _peer_argv(args: argparse.Namespace, i: int, workdir: Path, bootstrap: list[str], slowdowns: list[float], threads: int,
                coordinator_url: str | None) -> list[str]:
-    quorum = args.quorum or min(args.peers, 3)
+    quorum = args.quorum or min(args.peers, max(2, args.peers // 2))
     argv = [sys.executable, "-m", "scripts.cli", "peer", "--preset", args.preset, "--max-rounds", str(args.rounds),
             "--inner-steps", str(args.inner_steps), "--quorum", str(quorum), "--codec", args.codec,
             "--workdir", str(workdir), "--shard-index", str(i), "--num-shards", str(args.peers), "--log-format", "json",
@@ -179,6 +183,7 @@ def run_swarm(args: argparse.Namespace) -> int:
         logger.error("--slowdown needs %d factors >= 1, got %r", args.peers, args.slowdown)
         return 2
     _become_subreaper()
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM too must reach the cleanup below
     root = Path(args.workdir)
     root.mkdir(parents=True, exist_ok=True)
     threads = args.threads or max(1, (os.cpu_count() or 2) // args.peers)
@@ -253,7 +258,9 @@ def run_swarm(args: argparse.Namespace) -> int:
     finals = [s for s in summaries.values() if s.get("rounds") == max((x.get("rounds", 0) for x in summaries.values()), default=0)]
     summary = {
         "peers": args.peers, "rounds_requested": args.rounds, "preset": args.preset, "codec": args.codec,
-        "initial_eval_loss": min((s["initial_eval_loss"] for s in summaries.values()), default=None),
+        # every fresh peer evaluates the same θ_0 before syncing, so these agree; a peer restarted without a
+        # checkpoint still evaluates θ_0, never the synced state
+        "initial_eval_loss": max((s["initial_eval_loss"] for s in summaries.values()), default=None),
         "final_eval_loss": finals[0]["final_eval_loss"] if finals else None,
         "final_state_hashes": {k: s.get("state_hash") for k, s in summaries.items()},
         "rounds": rounds, "kills": kills, "wall_s": round(time.monotonic() - started, 2), "peer_summaries": summaries,
