@@ -76,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         for mode in ["async"] if args.quick else args.modes:
             out, why = call_hook(slowdowns, mode, shaped, args.timeout, rounds=1 if args.quick else None)
             runs.append({"mode": mode, "shaped": shaped, "result": out, "note": why or None})
+            logger.info("utilisation %s shaped=%s: %s", mode, shaped, out if out is not None else why)
             if out is None:
                 notes.append(f"{mode}, {'100 Mbit/s' if shaped else 'loopback'}: {why}")
                 rows.append([mode, shaped, "—", "not available" if why == NOT_AVAILABLE else "failed", "—", "—", "—", "—"])
