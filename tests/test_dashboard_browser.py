@@ -82,7 +82,7 @@ def test_dashboard_shows_real_swarm(procs: Procs, tmp_path: Path) -> None:
     # --slowdown stretches each step (sleeping, not computing) so that the peers' 5 s metric reports give the
     # curves several points while the whole run stays around a minute.
     swarm = procs.swarm(work, "--peers", str(PEERS), "--rounds", str(ROUNDS), "--inner-steps", "10",
-                        "--slowdown", "4,4", "--coordinator", url, "--run-id", RUN_ID,
+                        "--slowdown", "8,8", "--coordinator", url, "--run-id", RUN_ID,
                         "--summary-json", str(summary_path), *PEER_ARGS)
     driver = _driver(tmp_path)
     try:
