@@ -221,7 +221,11 @@ class GroupAverager:
         quorum_at: float | None = None
         try:
             while time.monotonic() < deadline:
-                records = await self.node.fetch_records()
+                try:
+                    records = await self.node.fetch_records()
+                except TimeoutError:
+                    logger.info("DHT lookup timed out; retrying")
+                    continue
                 records.pop(me, None)
                 compatible = {p: r for p, r in records.items() if r.version == PROTOCOL_VERSION and r.fingerprint == self.model.fingerprint}
                 target = choose_target(compatible, me, round_number, state_hash)

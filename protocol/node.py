@@ -169,8 +169,11 @@ class SwarmNode:
         expiration = get_dht_time() + self.net.record_ttl_s
         loop = asyncio.get_running_loop()
         try:
+            # return_future + a bounded result(): a store in flight when the DHT stops must not hang this thread
             await loop.run_in_executor(
-                None, lambda: dht.store(peers_key(self.net.run_id), record.to_value(), expiration, subkey=self.peer_id)
+                None,
+                lambda: dht.store(peers_key(self.net.run_id), record.to_value(), expiration, subkey=self.peer_id,
+                                  return_future=True).result(timeout=self.net.record_ttl_s),
             )
         except Exception as exc:  # noqa: BLE001 - the DHT may be briefly unreachable; the heartbeat retries
             logger.warning("publishing our DHT record failed (will retry): %r", exc)
@@ -185,7 +188,10 @@ class SwarmNode:
         dht = self.dht
         assert dht is not None
         loop = asyncio.get_running_loop()
-        found = await asyncio.wait_for(loop.run_in_executor(None, lambda: dht.get(peers_key(self.net.run_id), latest=True)), timeout)
+        found = await asyncio.wait_for(
+            loop.run_in_executor(None, lambda: dht.get(peers_key(self.net.run_id), latest=True, return_future=True).result(timeout=timeout)),
+            timeout + 1,
+        )
         records: dict[str, PeerRecord] = {}
         if found is None or not isinstance(found.value, dict):
             return records
