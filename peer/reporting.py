@@ -97,6 +97,7 @@ class Reporter:
         self._stats = ReporterStats()
         self._closing = False
         self._abort = False
+        self._retry_now = False  # set by close(): one immediate attempt, skipping any back-off in progress
         self._thread: threading.Thread | None = None
         self._next_heartbeat = time.monotonic() + self.config.heartbeat_interval_s
         self._last_heartbeat_body: dict[str, Any] = {}
@@ -163,6 +164,7 @@ class Reporter:
             self._submit("bye", {"reason": reason[:200]})
         with self._cond:
             self._closing = True
+            self._retry_now = True
             self._cond.notify_all()
         if self._thread is not None:
             self.flush(timeout)
@@ -220,7 +222,8 @@ class Reporter:
                         self._stats.queued += 1
                     except ReportError as e:
                         logger.debug("skipping heartbeat: %s", e)
-                if self._queue and now >= not_before:
+                if self._queue and (now >= not_before or self._retry_now):
+                    self._retry_now = False
                     return self._queue[0]
                 if self._closing and not self._queue:
                     return None
