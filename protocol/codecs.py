@@ -6,6 +6,7 @@ A violation raises `CodecError` before anything is accumulated.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,10 +35,10 @@ class Codec:
             return 4 * blocks + blocks * BLOCK // 2
         raise AssertionError(self.name)
 
-    def encode(self, flat: torch.Tensor) -> bytes:
+    def encode(self, flat: torch.Tensor) -> bytes | memoryview:
         flat = flat.detach().reshape(-1).to("cpu", torch.float32)
-        if self.name == "fp32":
-            return _as_bytes(flat)
+        if self.name == "fp32":  # zero-copy view of the tensor's memory (the view keeps the tensor alive)
+            return memoryview(flat.contiguous().numpy()).cast("B") if flat.numel() else b""
         if self.name in ("fp16", "bf16"):
             return _as_bytes(flat.to(torch.float16 if self.name == "fp16" else torch.bfloat16))
         levels = 127 if self.name == "int8" else 7
@@ -59,7 +60,7 @@ class Codec:
         if self.name in ("fp32", "fp16", "bf16"):
             dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[self.name]
             out = torch.frombuffer(buf, dtype=dtype, count=numel).to(torch.float32)
-            if not bool(torch.isfinite(out).all()):
+            if not _all_finite(out):
                 raise CodecError(f"{self.name}: NaN or Inf in tensor")
             return out
         blocks = -(-numel // BLOCK)
@@ -77,9 +78,17 @@ class Codec:
                 raise CodecError("int4: nibble 0 is outside the symmetric range")
             q = torch.stack((lo, hi), dim=-1).to(torch.float32).view(blocks, BLOCK)
         out = (q * scale[:, None]).reshape(-1)[:numel]
-        if not bool(torch.isfinite(out).all()):
+        if not _all_finite(out):
             raise CodecError(f"{self.name}: decoded values overflow")
         return out
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """True iff no element is NaN or ±Inf. Fast path: NaN and Inf propagate through a sum, so a finite float32 sum
+    proves every element finite; only a non-finite sum (NaN/Inf present, or a mere overflow) pays for the exact check."""
+    if math.isfinite(float(t.sum())):
+        return True
+    return bool(torch.isfinite(t).all())
 
 
 def _as_bytes(t: torch.Tensor) -> bytes:

@@ -400,7 +400,7 @@ class GroupAverager:
                         bytes_sent=frame_bytes(header, len(payload)), bytes_received=frame_bytes(result, len(body)),
                         direct=int(data_writer is not writer))
 
-    async def reduce_as_leader(self, group: Group, delta: torch.Tensor, tokens: int, staleness: int) -> tuple[Averaged, bytes]:
+    async def reduce_as_leader(self, group: Group, delta: torch.Tensor, tokens: int, staleness: int) -> tuple[Averaged, bytes | memoryview]:
         """Collect, validate and average contributions. Returns the average and its encoding (sent at commit)."""
         loop = asyncio.get_running_loop()
         contributions: dict[str, tuple[int, int, torch.Tensor]] = {}
@@ -452,7 +452,8 @@ class GroupAverager:
             weights.append(int(round(weight)))
         acc.div_(total)  # total > 0: the leader's own weight is at least 1
         encoded = await loop.run_in_executor(None, self.codec.encode, acc)
-        averaged = await loop.run_in_executor(None, self.codec.decode, bytearray(encoded), self.model.numel)
+        # Everyone must apply exactly what members will decode; for a lossless codec that is `acc` itself.
+        averaged = acc if self.codec.lossless else await loop.run_in_executor(None, self.codec.decode, bytearray(encoded), self.model.numel)
         return Averaged(delta=averaged, members=members, weights=weights, excluded=excluded, new_state_hash=None,
                         bytes_sent=0, bytes_received=received, direct=len(group.data)), encoded
 
@@ -467,7 +468,7 @@ class GroupAverager:
             return f"staleness {header.staleness} > {self.cfg.max_staleness}"
         return ""
 
-    async def commit_as_leader(self, group: Group, averaged: Averaged, encoded: bytes, new_state_hash: str) -> int:
+    async def commit_as_leader(self, group: Group, averaged: Averaged, encoded: bytes | memoryview, new_state_hash: str) -> int:
         """Send every reachable member the average and the hash of θ_{r+1}; returns bytes sent."""
         result = pb.RoundResult(outcome=pb.RoundResult.COMMITTED, round=group.round, new_state_hash=new_state_hash,
                                 members=averaged.members, weights=averaged.weights, excluded=list(averaged.excluded),

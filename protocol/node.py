@@ -24,6 +24,15 @@ T = TypeVar("T")
 StreamHandler = Callable[[Any, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
+def _new_loop() -> asyncio.AbstractEventLoop:
+    """uvloop when installed (roughly twice asyncio's stream throughput for the bulk tensors), asyncio otherwise."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 @dataclass(frozen=True, kw_only=True)
 class NetworkConfig:
     """How this peer reaches the swarm (all hivemind/libp2p options that matter to users)."""
@@ -59,7 +68,7 @@ class SwarmNode:
         self.net = net
         self.dht: hivemind.DHT | None = None
         self.p2p: P2P | None = None
-        self.loop = asyncio.new_event_loop()
+        self.loop = _new_loop()
         self._thread = threading.Thread(target=self._run_loop, name="swarm-loop", daemon=True)
         self._record: PeerRecord | None = None
         self._heartbeat: asyncio.Task[None] | None = None

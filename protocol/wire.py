@@ -30,10 +30,8 @@ async def write_frame(writer: asyncio.StreamWriter, header: Message, payload: by
         raise WireError(f"header of {len(encoded)} bytes exceeds the {MAX_HEADER_BYTES}-byte cap")
     try:
         writer.write(_U32.pack(len(encoded)) + encoded + _U64.pack(len(payload)))
-        view = memoryview(payload)
-        for start in range(0, len(view), _CHUNK):
-            writer.write(view[start : start + _CHUNK])
-            await asyncio.wait_for(writer.drain(), timeout)
+        if len(payload):
+            writer.write(payload)  # the transport sends what it can now and buffers the rest (one copy at most)
         await asyncio.wait_for(writer.drain(), timeout)
     except (asyncio.TimeoutError, OSError, RuntimeError) as exc:
         raise WireError(f"sending {type(header).__name__} failed: {exc!r}") from exc
