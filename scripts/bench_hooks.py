@@ -35,7 +35,7 @@ def _allreduce_worker(index: int, bootstrap: list[str], numel: int, peers: int, 
     node.start()
     try:
         model = LocalModel(fingerprint="bench", config={"numel": numel}, numel=numel)
-        averager = GroupAverager(node, RoundConfig(quorum=peers, grace_min_s=0.0, grace_max_s=0.0, codec=codec, exchange_timeout_s=300), model)
+        averager = GroupAverager(node, RoundConfig(quorum=peers, grace_min_s=0.0, grace_max_s=0.0, codec=codec, exchange_timeout_s=300, round_timeout_s=300), model)
         node.call(averager.register(), timeout=30)
         delta = torch.randn(numel, generator=torch.Generator().manual_seed(index))
         results = []
