@@ -14,6 +14,7 @@ from typing import Any
 from coordinator.server import CoordinatorConfig, CoordinatorServer
 from coordinator.service import ServiceConfig
 from protocol.identity import Identity, load_or_create_identity
+from scripts.bench_common import descendants  # noqa: F401  (re-exported: one /proc walker for all tests)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,23 +90,6 @@ def kill(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL, timeout: floa
         proc.wait(timeout=timeout)
 
 
-def descendants(pid: int) -> list[int]:
-    """Live descendants of ``pid`` (read from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, stack = [], [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            out.append(child)
-            stack.append(child)
-    return out
 
 
 def alive(pid: int) -> bool:

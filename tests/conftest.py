@@ -10,28 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from scripts.bench_common import descendants as _descendants  # one /proc walker for all tests
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-
-
-def _descendants(pid: int) -> list[int]:
-    """All live descendants of pid, read from /proc (no psutil needed)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, stack = [], [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            out.append(child)
-            stack.append(child)
-    return out
 
 
 @pytest.fixture(scope="session", autouse=True)
