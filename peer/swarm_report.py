@@ -27,7 +27,8 @@ class SwarmReports:
 
         self.reporter = Reporter(url, load_or_create_identity(identity_path), run_id).start()
 
-    def hello(self, replica: Replica) -> None:
+    def hello(self, replica: Replica, *, tokens_per_s: float = 0.0) -> None:
+        """Hardware and version; sent at start (throughput unknown yet) and again once throughput is measured."""
         if self.reporter is None:
             return
         from importlib.metadata import PackageNotFoundError, version
@@ -44,7 +45,7 @@ class SwarmReports:
 
             device = f"cpu ({torch.get_num_threads()} threads)"
             memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        self.reporter.hello(version=ours, device=device, memory_bytes=int(memory), tokens_per_s=0.0)
+        self.reporter.hello(version=ours, device=device, memory_bytes=int(memory), tokens_per_s=float(tokens_per_s))
 
     def step(self, replica: Replica, loss: float, tokens_per_s: float) -> None:
         if self.reporter is None or time.monotonic() - self._last_metrics < self.metrics_interval_s:

@@ -42,6 +42,7 @@ class SwarmPeer:
     bytes_sent: int = 0
     bytes_received: int = 0
     compute_s: float = 0.0
+    _measured_hello: bool = False
 
     def __post_init__(self) -> None:
         self.run, self.rounds, net = self.cfg["run"], self.cfg["round"], self.cfg["network"]
@@ -229,6 +230,9 @@ class SwarmPeer:
         entry = {k: v for k, v in entry.items() if v is not None}
         self.history.append(entry)
         self.reports.round({**entry, "step": self.replica.step, "tokens_total": self.replica.tokens})
+        if entry.get("outcome") == "committed" and not self._measured_hello:
+            self._measured_hello = True
+            self.reports.hello(self.replica, tokens_per_s=self.progress.tokens_per_second())
         shown = {k: (v[:16] if k == "state_hash" else v) for k, v in entry.items() if k not in ("members", "weights", "excluded")}
         shown["member_count"] = len(entry.get("members", []))
         if "state_hash" in entry:
