@@ -180,9 +180,11 @@ class GroupAverager:
             collect.members[peer] = (reader, writer)
             collect.changed.set()
             await collect.done  # keep the stream open until the exchange is over
-            # Closing our end resets the libp2p stream and can cut off a result still in flight: wait for the
-            # member to close first (it does once it has read the result), or for the deadline.
-            await asyncio.wait_for(reader.read(1), timeout=self.cfg.exchange_timeout_s)
+            if collect.closed:
+                # Closing our end resets the libp2p stream and can cut off a result still in flight: wait for the
+                # member to close first (it does once it has read the result), or for the deadline. (A group we
+                # abandoned before closing has nothing in flight: close at once so the member moves on.)
+                await asyncio.wait_for(reader.read(1), timeout=self.cfg.exchange_timeout_s)
         except (WireError, asyncio.CancelledError, asyncio.TimeoutError, ConnectionError) as exc:
             logger.debug("join stream from %s ended: %r", peer, exc)
         finally:

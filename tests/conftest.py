@@ -13,6 +13,7 @@ import pytest
 from scripts.bench_common import descendants as _descendants  # one /proc walker for all tests
 
 ROOT = Path(__file__).resolve().parents[1]
+_SHM_MANAGER = "torch_shm_manager"  # started by torch.multiprocessing for hivemind's shared tensors
 sys.path.insert(0, str(ROOT / "tests"))
 
 
@@ -30,10 +31,19 @@ def kill_leftover_children() -> Iterator[None]:
         pass
     yield
     for pid in _descendants(os.getpid()):
+        if _SHM_MANAGER in _cmdline(pid):
+            continue  # torch's shared-memory manager exits by itself with us; killing it aborts this process at exit (EPIPE)
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+    except OSError:
+        return str(pid)
 
 
 @pytest.fixture

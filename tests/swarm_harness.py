@@ -13,7 +13,7 @@ from typing import Any
 
 import hivemind
 
-from conftest import ROOT, _descendants
+from conftest import _SHM_MANAGER, ROOT, _cmdline, _descendants
 from protocol.identity import load_or_create_identity
 from scripts.swarm import PeerProc
 
@@ -114,7 +114,7 @@ class Swarm:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             # torch's shared-memory manager belongs to this test process (hivemind's DHT here) and ends with it.
-            alive = [pid for pid in _descendants(os.getpid()) if _is_running(pid) and "torch_shm_manager" not in _cmdline(pid)]
+            alive = [pid for pid in _descendants(os.getpid()) if _is_running(pid) and _SHM_MANAGER not in _cmdline(pid)]
             if not alive:
                 return
             time.sleep(0.5)
@@ -127,13 +127,6 @@ def _is_running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
-    except OSError:
-        return str(pid)
 
 
 def assert_no_split(swarm: Swarm, names: list[str]) -> dict[int, str]:
