@@ -28,7 +28,7 @@ import torch
 
 from protocol import swarmloco_wire_pb2 as pb
 from protocol.codecs import CodecError, get_codec
-from protocol.data_plane import DataPlane, connect, hosts_from_maddrs
+from protocol.data_plane import DataConn, DataPlane, connect, hosts_from_maddrs
 from protocol.faults import FaultInjector
 from protocol.node import SwarmNode
 from protocol.records import PROTOCOL_VERSION, PeerRecord, describe_difference
@@ -107,8 +107,8 @@ class Group:
     done: asyncio.Future[None] | None = None  # leader: resolves when handlers may close their streams
     # direct TCP data connections: leader: token and future per member, then the member's connection once used;
     # member: its connection to the leader, if it could open one
-    data_tokens: dict[str, tuple[str, asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]] = field(default_factory=dict)
-    data: dict[str, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = field(default_factory=dict)
+    data_tokens: dict[str, tuple[str, asyncio.Future[DataConn]]] = field(default_factory=dict)
+    data: dict[str, DataConn] = field(default_factory=dict)
 
 
 @dataclass
@@ -221,6 +221,8 @@ class GroupAverager:
         deadline = time.monotonic() + self.cfg.round_timeout_s
         blacklist: dict[str, float] = {}
         quorum_at: float | None = None
+        merge_into: str | None = None
+        merge_seen = 0
         try:
             while time.monotonic() < deadline:
                 try:
@@ -239,7 +241,22 @@ class GroupAverager:
                 blacklist = {p: t for p, t in blacklist.items() if t > now}
                 peers_here = {p: r for p, r in compatible.items() if r.round == round_number and r.state_hash == state_hash}
                 candidates = {p: r for p, r in peers_here.items() if r.ready and p not in blacklist}
-                leader = self._choose_leader(me, candidates)
+                members_now = len(self._collect.members) if self._collect is not None else 0
+                leader = pick_leader(me, members_now, candidates, self.cfg.quorum)
+                if leader != me and members_now:
+                    # Two leaders each gathered members and neither group reaches quorum (records seen at different
+                    # moments split the swarm). The weaker leader merges into the stronger one once it has seen it
+                    # twice in a row: its members' streams close and they re-join there. Nothing was closed, so
+                    # nothing can split.
+                    merge_seen = merge_seen + 1 if leader == merge_into else 1
+                    merge_into = leader
+                    if merge_seen < 2:
+                        leader = me
+                    else:
+                        logger.info("round %d: merging my %d member(s) into %s's group", round_number, members_now, leader[-8:])
+                        self._abandon_collect()
+                else:
+                    merge_into, merge_seen = None, 0
                 if leader == me:
                     collect = self._ensure_collecting(round_number)
                     self.node.update_record(leading=len(collect.members))
@@ -263,14 +280,6 @@ class GroupAverager:
         except BaseException:
             self._abandon_collect()
             raise
-
-    def _choose_leader(self, me: str, candidates: dict[str, PeerRecord]) -> str:
-        if self._collect is not None and self._collect.members:
-            return me  # a leader with members never defects: that could split the round
-        best = (-(self._collect is not None and len(self._collect.members) or 0), me)
-        for peer, rec in candidates.items():
-            best = min(best, (-rec.leading, peer))
-        return best[1]
 
     def _ensure_collecting(self, round_number: int) -> _Collect:
         if self._collect is None or self._collect.round != round_number:
@@ -373,22 +382,28 @@ class GroupAverager:
     # --- the exchange ---------------------------------------------------------------------------------------------
     async def exchange_as_member(self, group: Group, delta: torch.Tensor, tokens: int, staleness: int) -> Averaged:
         reader, writer = group.streams[group.leader]
-        data_reader, data_writer = group.data.get(group.leader, (reader, writer))
+        direct = group.data.get(group.leader)
         delta, tokens = self.faults.mutate_contribution(group.round, delta, tokens)
+        timeout, cap = self.cfg.exchange_timeout_s, self.codec.encoded_size(self.model.numel)
         try:
             payload = await asyncio.get_running_loop().run_in_executor(None, self.codec.encode, delta)
             header = pb.Contribution(tokens=tokens, codec=self.codec.name, numel=delta.numel(), staleness=staleness)
-            if data_writer is not writer:  # announce on the control stream, move the bytes on the data connection
-                await write_frame(writer, pb.Contribution(via_data_plane=True), timeout=self.cfg.exchange_timeout_s)
-            await write_frame(data_writer, header, payload, timeout=self.cfg.exchange_timeout_s)
+            if direct is not None:  # announce on the control stream, move the bytes on the data connection
+                await write_frame(writer, pb.Contribution(via_data_plane=True), timeout=timeout)
+                await direct.send_frame(header, payload, timeout=timeout)
+            else:
+                await write_frame(writer, header, payload, timeout=timeout)
             self.faults.hit("member_after_send", group.round)
-            result, body = await read_frame(data_reader, pb.RoundResult, max_payload=self.codec.encoded_size(self.model.numel),
-                                            timeout=self.cfg.exchange_timeout_s * 2)
+            if direct is not None:
+                result, body = await direct.recv_frame(pb.RoundResult, max_payload=cap, timeout=timeout * 2)
+            else:
+                result, body = await read_frame(reader, pb.RoundResult, max_payload=cap, timeout=timeout * 2)
         except WireError as exc:
             raise RoundAborted(f"lost the leader during the exchange: {exc}") from exc
         finally:
             close_writer(writer)
-            close_writer(data_writer)
+            if direct is not None:
+                direct.close()
         if result.outcome != pb.RoundResult.COMMITTED:
             raise RoundAborted(f"leader aborted the round: {result.reason}")
         if result.round != group.round or result.numel != self.model.numel or result.codec != self.codec.name:
@@ -400,7 +415,7 @@ class GroupAverager:
         return Averaged(delta=averaged, members=list(result.members), weights=list(result.weights),
                         excluded=dict(zip(result.excluded, result.excluded_reasons)), new_state_hash=result.new_state_hash,
                         bytes_sent=frame_bytes(header, len(payload)), bytes_received=frame_bytes(result, len(body)),
-                        direct=int(data_writer is not writer))
+                        direct=int(direct is not None))
 
     async def reduce_as_leader(self, group: Group, delta: torch.Tensor, tokens: int, staleness: int) -> tuple[Averaged, bytes | memoryview]:
         """Collect, validate and average contributions. Returns the average and its encoding (sent at commit)."""
@@ -425,7 +440,7 @@ class GroupAverager:
                         excluded[peer] = "announced a data connection that never arrived"
                         return
                     group.data[peer] = direct
-                    header, body = await read_frame(direct[0], pb.Contribution, max_payload=cap, timeout=self.cfg.exchange_timeout_s)
+                    header, body = await direct.recv_frame(pb.Contribution, max_payload=cap, timeout=self.cfg.exchange_timeout_s)
                 received += frame_bytes(header, len(body))
                 problem = self._check_contribution(header)
                 if problem:
@@ -441,18 +456,19 @@ class GroupAverager:
         await asyncio.gather(*(collect(p) for p in group.streams))
         contributions[self.node.peer_id] = (tokens, staleness, delta.reshape(-1).to(torch.float32))
         cap = self.cfg.weight_cap_factor * max(tokens, 1)
-        members, weights, total = [], [], 0.0
-        acc = torch.zeros(self.model.numel, dtype=torch.float32)
-        for peer in sorted(contributions):
-            claimed, stale, tensor = contributions[peer]
-            weight = min(claimed, cap) * self.cfg.stale_discount**stale
+        members = sorted(contributions)
+        exact: list[float] = []
+        for peer in members:
+            claimed, stale, _ = contributions[peer]
+            exact.append(min(claimed, cap) * self.cfg.stale_discount**stale)
             if claimed > cap:
                 logger.warning("capping %s's claimed %d tokens at %d", peer[-8:], claimed, int(cap))
-            acc.add_(tensor, alpha=weight)
-            total += weight
-            members.append(peer)
-            weights.append(int(round(weight)))
-        acc.div_(total)  # total > 0: the leader's own weight is at least 1
+        total = sum(exact)  # > 0: the leader's own weight is at least 1
+        weights = [round(w) for w in exact]
+        # One pass per contribution, normalised as we go (no zero-fill, no final division).
+        acc = torch.mul(contributions[members[0]][2], exact[0] / total)
+        for peer, weight in zip(members[1:], exact[1:]):
+            acc.add_(contributions[peer][2], alpha=weight / total)
         encoded = await loop.run_in_executor(None, self.codec.encode, acc)
         # Everyone must apply exactly what members will decode; for a lossless codec that is `acc` itself.
         averaged = acc if self.codec.lossless else await loop.run_in_executor(None, self.codec.decode, bytearray(encoded), self.model.numel)
@@ -480,8 +496,7 @@ class GroupAverager:
         async def send(peer: str) -> None:
             nonlocal sent
             try:
-                writer = group.data[peer][1] if peer in group.data else group.streams[peer][1]
-                await write_frame(writer, result, encoded, timeout=self.cfg.exchange_timeout_s)
+                await self._send_to(group, peer, result, encoded, timeout=self.cfg.exchange_timeout_s)
                 sent += frame_bytes(result, len(encoded))
             except WireError as exc:
                 logger.info("could not deliver the result to %s: %r (it will re-sync)", peer[-8:], exc)
@@ -492,9 +507,16 @@ class GroupAverager:
 
     async def abort_as_leader(self, group: Group, reason: str) -> None:
         result = pb.RoundResult(outcome=pb.RoundResult.ABORTED, reason=reason, round=group.round)
-        writers = [group.data[p][1] if p in group.data else s[1] for p, s in group.streams.items()]
-        await asyncio.gather(*(write_frame(w, result, timeout=5) for w in writers), return_exceptions=True)
+        await asyncio.gather(*(self._send_to(group, p, result, timeout=5) for p in group.streams), return_exceptions=True)
         self.finish(group)
+
+    @staticmethod
+    async def _send_to(group: Group, peer: str, header: pb.RoundResult, payload: bytes | memoryview = b"", *, timeout: float) -> None:
+        """A frame to a member: on its data connection if it used one, else on its libp2p stream."""
+        if peer in group.data:
+            await group.data[peer].send_frame(header, payload, timeout=timeout)
+        else:
+            await write_frame(group.streams[peer][1], header, payload, timeout=timeout)
 
     def finish(self, group: Group) -> None:
         if group.done is not None and not group.done.done():
@@ -502,8 +524,23 @@ class GroupAverager:
         if self.data_plane is not None:
             for token, _ in group.data_tokens.values():
                 self.data_plane.forget(token)
-        for _, writer in group.data.values():
-            close_writer(writer)  # TCP delivers what was written before the FIN
+        for conn in group.data.values():
+            conn.close()  # TCP delivers what was sent before the FIN
+
+
+def pick_leader(me: str, my_members: int, candidates: dict[str, PeerRecord], quorum: int) -> str:
+    """Whom to gather around for this round: the ready peer leading the most members (ties: smallest peer id).
+
+    `my_members` is how many joined us (0 when we are not leading). Every peer orders leaders the same way, so
+    splits heal: a leader whose group is smaller than another's, and below quorum, gets the other's id back and
+    merges into it. A leader whose group has reached quorum keeps it (it is about to close).
+    """
+    if my_members and 1 + my_members >= quorum:
+        return me
+    best = (-my_members, me)
+    for peer, rec in candidates.items():
+        best = min(best, (-rec.leading, peer))
+    return best[1]
 
 
 def choose_target(records: dict[str, PeerRecord], me: str, round_number: int, state_hash: str) -> Behind | None:

@@ -13,8 +13,8 @@ from typing import TypeVar
 from google.protobuf.message import DecodeError, Message
 
 MAX_HEADER_BYTES = 64 * 1024
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
+HEADER_LEN = struct.Struct("<I")
+PAYLOAD_LEN = struct.Struct("<Q")
 _CHUNK = 1 << 20
 
 M = TypeVar("M", bound=Message)
@@ -25,11 +25,9 @@ class WireError(ConnectionError):
 
 
 async def write_frame(writer: asyncio.StreamWriter, header: Message, payload: bytes | memoryview = b"", *, timeout: float) -> None:
-    encoded = header.SerializeToString()
-    if len(encoded) > MAX_HEADER_BYTES:
-        raise WireError(f"header of {len(encoded)} bytes exceeds the {MAX_HEADER_BYTES}-byte cap")
+    prefix = frame_prefix(header, len(payload))
     try:
-        writer.write(_U32.pack(len(encoded)) + encoded + _U64.pack(len(payload)))
+        writer.write(prefix)
         if len(payload):
             writer.write(payload)  # the transport sends what it can now and buffers the rest (one copy at most)
         await asyncio.wait_for(writer.drain(), timeout)
@@ -40,13 +38,9 @@ async def write_frame(writer: asyncio.StreamWriter, header: Message, payload: by
 async def read_frame(reader: asyncio.StreamReader, header_type: type[M], *, max_payload: int, timeout: float) -> tuple[M, bytearray]:
     """Read one frame; the payload is returned as a writable bytearray (tensors can wrap it without a copy)."""
     try:
-        (length,) = _U32.unpack(await asyncio.wait_for(reader.readexactly(4), timeout))
-        if length > MAX_HEADER_BYTES:
-            raise WireError(f"peer sent a {length}-byte header, cap is {MAX_HEADER_BYTES}")
+        length = header_length(await asyncio.wait_for(reader.readexactly(HEADER_LEN.size), timeout))
         raw = await asyncio.wait_for(reader.readexactly(length), timeout)
-        (size,) = _U64.unpack(await asyncio.wait_for(reader.readexactly(8), timeout))
-        if size > max_payload:
-            raise WireError(f"peer announced a {size}-byte payload, cap is {max_payload}")
+        size = payload_length(await asyncio.wait_for(reader.readexactly(PAYLOAD_LEN.size), timeout), max_payload)
         payload = bytearray(size)
         view, got = memoryview(payload), 0
         while got < size:
@@ -59,17 +53,44 @@ async def read_frame(reader: asyncio.StreamReader, header_type: type[M], *, max_
         raise WireError("stream closed by peer") from exc
     except (asyncio.TimeoutError, OSError) as exc:
         raise WireError(f"reading {header_type.__name__} failed: {exc!r}") from exc
+    return parse_header(header_type, raw), payload
+
+
+# --- the frame format, shared with the socket-based data plane ------------------------------------------------------
+def frame_prefix(header: Message, payload_len: int) -> bytes:
+    """Everything of a frame before its payload."""
+    encoded = header.SerializeToString()
+    if len(encoded) > MAX_HEADER_BYTES:
+        raise WireError(f"header of {len(encoded)} bytes exceeds the {MAX_HEADER_BYTES}-byte cap")
+    return HEADER_LEN.pack(len(encoded)) + encoded + PAYLOAD_LEN.pack(payload_len)
+
+
+def header_length(raw: bytes) -> int:
+    (length,) = HEADER_LEN.unpack(raw)
+    if length > MAX_HEADER_BYTES:
+        raise WireError(f"peer sent a {length}-byte header, cap is {MAX_HEADER_BYTES}")
+    return int(length)
+
+
+def payload_length(raw: bytes, max_payload: int) -> int:
+    (size,) = PAYLOAD_LEN.unpack(raw)
+    if size > max_payload:
+        raise WireError(f"peer announced a {size}-byte payload, cap is {max_payload}")
+    return int(size)
+
+
+def parse_header(header_type: type[M], raw: bytes | bytearray) -> M:
     header = header_type()
     try:
         header.ParseFromString(bytes(raw))
     except DecodeError as exc:
         raise WireError(f"malformed {header_type.__name__}: {exc}") from exc
-    return header, payload
+    return header
 
 
 def frame_bytes(header: Message, payload_len: int) -> int:
     """Bytes a frame occupies on the stream (before libp2p's own encryption and multiplexing overhead)."""
-    return _U32.size + header.ByteSize() + _U64.size + payload_len
+    return HEADER_LEN.size + header.ByteSize() + PAYLOAD_LEN.size + payload_len
 
 
 def close_writer(writer: asyncio.StreamWriter) -> None:

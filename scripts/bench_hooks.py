@@ -23,6 +23,14 @@ ROOT = Path(__file__).resolve().parents[1]
 HASH = "0" * 64
 
 
+def _where(exc: BaseException) -> str:
+    """The innermost frame of our own code an exception passed through (a bare TimeoutError() says nothing alone)."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if str(ROOT) in f.filename and ".venv" not in f.filename]
+    return f"{Path(frames[-1].filename).name}:{frames[-1].lineno} {frames[-1].line}" if frames else "?"
+
+
 def _allreduce_worker(index: int, bootstrap: list[str], numel: int, peers: int, reps: int, codec: str, out: Any) -> None:
     import torch
 
@@ -42,7 +50,7 @@ def _allreduce_worker(index: int, bootstrap: list[str], numel: int, peers: int, 
         for rep in range(reps):
             node.set_record(PeerRecord(version=1, fingerprint="bench", config_json="{}", round=rep, state_hash=HASH, ready=True,
                                        leading=0, eta=time.time(), updated=time.time()))
-            group = node.call(averager.form_group(round_number=rep, state_hash=HASH, my_eta=time.time()), timeout=300)
+            group = node.call(averager.form_group(round_number=rep, state_hash=HASH, my_eta=time.time()), timeout=330)
             t0 = time.time()
             if group.is_leader:
                 averaged, encoded = node.call(averager.reduce_as_leader(group, delta, 1000, 0), timeout=600)
@@ -55,7 +63,7 @@ def _allreduce_worker(index: int, bootstrap: list[str], numel: int, peers: int, 
                             "members": len(group.members), "direct": averaged.direct})
         out.put({"index": index, "results": results, "error": None})
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the measurement
-        out.put({"index": index, "results": [], "error": repr(exc)})
+        out.put({"index": index, "results": [], "error": f"{exc!r} at {_where(exc)}"})
     finally:
         node.shutdown()
 

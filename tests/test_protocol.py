@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from protocol import swarmloco_wire_pb2 as pb
-from protocol.group import GroupAverager, LocalModel, RoundConfig, choose_target
+from protocol.group import Group, GroupAverager, LocalModel, RoundConfig, choose_target, pick_leader
 from protocol.hashing import hash_tensors
 from protocol.node import NetworkConfig, SwarmNode
 from protocol.records import PROTOCOL_VERSION, PeerRecord, compatibility_problem
@@ -52,6 +52,71 @@ def test_choose_target_prefers_highest_round_then_majority_hash() -> None:
     assert choose_target({"a": _rec(state_hash=H2)}, me, 3, H1) is None
     tie = choose_target({"a": _rec(state_hash=H1)}, me, 3, H2)
     assert tie is not None and tie.state_hash == H1
+
+
+def test_pick_leader_orders_leaders_the_same_everywhere() -> None:
+    ready = {"b": _rec(ready=True), "c": _rec(ready=True)}
+    assert pick_leader("a", 0, ready, quorum=4) == "a"  # nobody leads yet: smallest id
+    assert pick_leader("d", 0, ready, quorum=4) == "b"
+    assert pick_leader("a", 0, {"c": _rec(ready=True, leading=1)}, quorum=4) == "c"  # most members wins over id
+    # a split: we lead 1 member, "b" leads 1 with a smaller id -> we merge into "b"; "b" sees us and stays
+    assert pick_leader("c", 1, {"b": _rec(ready=True, leading=1)}, quorum=4) == "b"
+    assert pick_leader("b", 1, {"c": _rec(ready=True, leading=1)}, quorum=4) == "b"
+    assert pick_leader("a", 1, {"c": _rec(ready=True, leading=2)}, quorum=4) == "c"  # the bigger group wins
+    assert pick_leader("c", 2, {"a": _rec(ready=True, leading=1)}, quorum=4) == "c"
+    # a group that has reached quorum is about to close: it never merges away
+    assert pick_leader("c", 1, {"b": _rec(ready=True, leading=3)}, quorum=2) == "c"
+
+
+def test_split_groups_below_quorum_merge() -> None:
+    """Peers that saw different records formed two groups of 2 with quorum 4. Before, neither leader ever gave up
+    its members and the round timed out on all four; now the weaker leader merges into the stronger one."""
+    nodes: list[SwarmNode] = []
+    visible: dict[str, set[str]] = {}
+
+    def partitioned(node: SwarmNode):  # noqa: ANN202 - wraps the node's own coroutine function
+        real = node.fetch_records
+
+        async def fetch(**kw: object) -> dict[str, PeerRecord]:
+            records = await real(**kw)
+            allowed = visible.get(node.peer_id)
+            return records if allowed is None else {p: r for p, r in records.items() if p in allowed}
+        return fetch
+
+    try:
+        for _ in range(4):
+            initial = tuple(nodes[0].visible_maddrs()) if nodes else ()
+            n = SwarmNode(NetworkConfig(run_id="split", host_maddrs=("/ip4/127.0.0.1/tcp/0",), initial_peers=initial, heartbeat_s=0.5))
+            n.start()
+            nodes.append(n)
+        cfg = RoundConfig(quorum=4, grace_min_s=0.0, grace_max_s=0.0, round_timeout_s=45)
+        averagers = [GroupAverager(n, cfg, LocalModel(fingerprint="fp", config={}, numel=10)) for n in nodes]
+        ids = sorted(n.peer_id for n in nodes)
+        halves = [set(ids[0::2]), set(ids[1::2])]  # each half holds one of the two smallest ids: two leaders
+        for n, averager in zip(nodes, averagers):
+            n.fetch_records = partitioned(n)  # type: ignore[method-assign]
+            visible[n.peer_id] = next(h for h in halves if n.peer_id in h)
+            n.call(averager.register(), timeout=30)
+            n.set_record(PeerRecord(version=PROTOCOL_VERSION, fingerprint="fp", config_json="{}", round=0, state_hash=H1, ready=True,
+                                    leading=0, eta=time.time(), updated=time.time()))
+        futures = [n.submit(a.form_group(round_number=0, state_hash=H1, my_eta=time.time())) for n, a in zip(nodes, averagers)]
+        deadline = time.monotonic() + 30
+        while sum(1 for a in averagers if a._collect is not None and a._collect.members) < 2:
+            assert time.monotonic() < deadline, "the two halves did not each form a group"
+            time.sleep(0.1)
+        visible.clear()  # the partition heals: everyone sees everyone
+        groups = [f.result(timeout=60) for f in futures]
+        assert all(isinstance(g, Group) for g in groups)
+        leaders = {g.leader for g in groups}
+        assert len(leaders) == 1 and leaders.pop() == ids[0]
+        assert all(sorted(g.members) == ids for g in groups if g.is_leader)
+        for n, a, g in zip(nodes, averagers, groups):
+            if g.is_leader:
+                n.call(a.abort_as_leader(g, "test over"), timeout=30)
+    finally:
+        for node in nodes:
+            node.shutdown()
+        time.sleep(0.5)
 
 
 def test_compatibility_messages_name_the_difference() -> None:
@@ -164,17 +229,31 @@ def test_data_plane_accepts_only_offered_tokens_once() -> None:
             token, future = plane.expect()
             stranger = await connect(plane.addrs, "not-a-token")
             assert stranger is not None  # the TCP connect works, but the leader drops it
-            assert await asyncio.wait_for(stranger[0].read(1), 5) == b""
+            await stranger.read_eof(timeout=5)
             assert not future.done()
             member = await connect(plane.addrs, token)
             assert member is not None
-            reader, writer = await asyncio.wait_for(future, 5)
-            writer.write(b"ok")
-            await writer.drain()
-            assert await member[0].readexactly(2) == b"ok"
+            leader_side = await asyncio.wait_for(future, 5)
+            payload = bytes(range(256)) * 4096  # 1 MiB, crosses many recv calls
+            await leader_side.send_frame(pb.RoundResult(round=7), payload, timeout=5)
+            header, body = await member.recv_frame(pb.RoundResult, max_payload=len(payload), timeout=5)
+            assert header.round == 7 and body == payload
+            await leader_side.send_frame(pb.RoundResult(round=8), payload, timeout=5)
+            with pytest.raises(WireError, match="cap is 100"):  # announced size checked before anything is read
+                await member.recv_frame(pb.RoundResult, max_payload=100, timeout=5)
             replay = await connect(plane.addrs, token)  # a used token is worthless
-            assert replay is not None and await asyncio.wait_for(replay[0].read(1), 5) == b""
+            assert replay is not None
+            await replay.read_eof(timeout=5)
             assert await connect(["127.0.0.1:1"], token, timeout=1) is None
+            token2, future2 = plane.expect()
+            silent = await connect(plane.addrs, token2)
+            assert silent is not None
+            quiet_leader = await asyncio.wait_for(future2, 5)
+            with pytest.raises(WireError, match="deadline|timed out"):  # nobody sends: the read gives up in time
+                await silent.recv_frame(pb.RoundResult, max_payload=0, timeout=0.3)
+            for conn in (stranger, member, leader_side, replay, silent, quiet_leader):
+                conn.close()
+                conn.close()  # idempotent
         finally:
             await plane.close()
 
