@@ -36,7 +36,7 @@ def _allreduce_worker(index: int, bootstrap: list[str], numel: int, peers: int, 
 
     from protocol.group import GroupAverager, LocalModel, RoundConfig
     from protocol.node import NetworkConfig, SwarmNode
-    from protocol.records import PeerRecord
+    from protocol.records import PROTOCOL_VERSION, PeerRecord
 
     torch.set_num_threads(1)
     node = SwarmNode(NetworkConfig(run_id="bench", initial_peers=tuple(bootstrap), host_maddrs=("/ip4/127.0.0.1/tcp/0",), heartbeat_s=0.5))
@@ -48,9 +48,11 @@ def _allreduce_worker(index: int, bootstrap: list[str], numel: int, peers: int, 
         delta = torch.randn(numel, generator=torch.Generator().manual_seed(index))
         results = []
         for rep in range(reps):
-            node.set_record(PeerRecord(version=1, fingerprint="bench", config_json="{}", round=rep, state_hash=HASH, ready=True,
+            node.set_record(PeerRecord(version=PROTOCOL_VERSION, fingerprint="bench", config_json="{}", round=rep, state_hash=HASH, ready=True,
                                        leading=0, eta=time.time(), updated=time.time()))
-            group = node.call(averager.form_group(round_number=rep, state_hash=HASH, my_eta=time.time()), timeout=330)
+            # outlives round_timeout_s, so a matchmaking stall surfaces as form_group's own RoundAborted message
+            group = node.call(averager.form_group(round_number=rep, state_hash=HASH, my_eta=time.time()),
+                              timeout=averager.cfg.round_timeout_s + 30)
             t0 = time.time()
             if group.is_leader:
                 averaged, encoded = node.call(averager.reduce_as_leader(group, delta, 1000, 0), timeout=600)

@@ -74,7 +74,7 @@ def test_split_groups_below_quorum_merge() -> None:
     nodes: list[SwarmNode] = []
     visible: dict[str, set[str]] = {}
 
-    def partitioned(node: SwarmNode):  # noqa: ANN202 - wraps the node's own coroutine function
+    def partitioned(node: SwarmNode):  # wraps the node's own fetch_records
         real = node.fetch_records
 
         async def fetch(**kw: object) -> dict[str, PeerRecord]:
