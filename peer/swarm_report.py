@@ -9,10 +9,10 @@ from typing import Any
 import torch
 
 from peer.replica import Replica
+from protocol.outcome import Outcome
 
 logger = logging.getLogger(__name__)
 
-OUTCOMES = {"committed": "committed", "aborted": "discarded", "behind": "stale", "hash_mismatch": "failed"}
 
 
 class SwarmReports:
@@ -64,7 +64,7 @@ class SwarmReports:
         self.reporter.report_round(
             round=int(entry.get("round", 0)), members=members, tokens=[int(w) for w in weights], state_hash=entry.get("state_hash"),
             train_s=float(entry.get("train_s", 0.0)), wait_s=float(entry.get("wait_s", 0.0)), average_s=float(entry.get("average_s", 0.0)),
-            outcome=OUTCOMES.get(str(entry.get("outcome")), "failed"), failure_reason=reason, eval_loss=entry.get("eval_loss"),
+            outcome=str(entry.get("outcome", Outcome.DISCARDED)), failure_reason=reason, eval_loss=entry.get("eval_loss"),
         )
         if entry.get("eval_loss") is not None:
             self.reporter.report_metrics(step=int(entry.get("step", 0)), train_loss=None, tokens_per_s=0.0,

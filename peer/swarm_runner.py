@@ -1,325 +1,270 @@
-"""The peer's swarm loop: train from θ_r until the round budget is spent, keep training while a group forms,
-exchange pseudo-gradients, apply the same outer step as every other member, and re-sync whenever behind."""
+"""Swarm training: the sync strategy that ends a round by averaging with other peers.
+
+Per round: train from θ_r until the budget is spent — or earlier, when a group for our round is already forming
+or the swarm has moved past θ_r (a slow peer then contributes what it has instead of missing the round) — mark
+ourselves ready and keep training while a group forms, then let the averager run the round and apply its result.
+A peer that is behind downloads the agreed state, verified by hash, keeping its recent progress as a discounted
+stale contribution.
+"""
 from __future__ import annotations
 
 import concurrent.futures
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from peer import checkpoint
-from peer.progress import Progress, round_float
+from peer.config import PeerConfig
+from peer.progress import round_float
 from peer.replica import Replica
 from peer.signals import StopFlag
 from peer.swarm_report import SwarmReports
-from peer.swarm_state import blob_hash, flatten, local_model, parse_blob, rebase, state_blob, unflatten
-from protocol.faults import FaultInjector, corrupt
-from protocol.group import Behind, Group, GroupAverager, RoundAborted, choose_target
-from protocol.node import NetworkConfig, SwarmNode
+from peer.swarm_state import flatten, local_model, parse_blob, rebase, state_blob, unflatten, verify_blob
+from peer.training import TrainingLoop, harness_hooks
+from protocol.averager import Averager, Contribution, RoundResult
+from protocol.hooks import Hooks
+from protocol.identity import load_or_create_identity
+from protocol.matchmaking import Group, RoundAborted
+from protocol.node import SwarmNode
 from protocol.records import PROTOCOL_VERSION, PeerRecord, compatibility_problem
+from protocol.rounds import Behind, Outcome, choose_target, compatible, group_forming
 from protocol.state_sync import ServedState, StateServer, StateSyncError, download_state
 
 logger = logging.getLogger(__name__)
+PEEK_S = 0.5  # while training, how often a peer looks whether a group for its round is forming
+ETA_EVERY_S = 1.0  # how often the training thread refreshes its ready-time estimate in its record
+RECORDS_TIMEOUT_S = 30.0
+DOWNLOAD_TIMEOUT_S = 600.0
 
 
 class IncompatibleSwarm(RuntimeError):
     pass
 
 
-@dataclass
-class SwarmPeer:
-    replica: Replica
-    cfg: dict[str, Any]
-    stop: StopFlag
-    node: SwarmNode = field(init=False)
-    history: list[dict[str, Any]] = field(default_factory=list)
-    staleness: int = 0
-    resyncs: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    compute_s: float = 0.0
-    _measured_hello: bool = False
+class SwarmSync:
+    mode = "swarm"
 
-    def __post_init__(self) -> None:
-        self.run, self.rounds, net = self.cfg["run"], self.cfg["round"], self.cfg["network"]
-        if net.identity is None:
-            identity = Path(self.run.workdir) / "identity.key"
-            identity.parent.mkdir(parents=True, exist_ok=True)
-            net = NetworkConfig(**{**net.__dict__, "identity": str(identity)})
-        if net.identity:
-            self._ensure_identity(net.identity)
-        self.node = SwarmNode(net)
-        self.net = net
-        self.model = local_model(self.replica, self.cfg["runtime"].seed)
-        self.progress = Progress(log_format=self.run.log_format, total_steps=self.run.max_steps or None, initial_step=self.replica.step)
-        self.faults = FaultInjector.from_env()
-        self.faults.on_fire = lambda phase, action, rnd: self.progress.event("fault", phase=phase, action=action, round=rnd)
+    def __init__(self, cfg: PeerConfig, hooks: Hooks) -> None:
+        self.cfg, self.hooks = cfg, hooks
+        identity = cfg.network.identity or str(Path(cfg.run.workdir) / "identity.key")
+        Path(identity).parent.mkdir(parents=True, exist_ok=True)
+        load_or_create_identity(identity)
+        self.net = replace(cfg.network, identity=identity)
+        self.node = SwarmNode(self.net)
+        self.reports = SwarmReports(cfg.run.coordinator, identity, self.net.run_id)
+        self.staleness = self.resyncs = self.bytes_sent = self.bytes_received = 0
+        self.state_hash = ""
+        self._peek: concurrent.futures.Future[dict[str, PeerRecord]] | None = None
+        self._peeked_at = 0.0
+        self._last_eta = 0.0
+        self._measured_hello = False
 
-    @staticmethod
-    def _ensure_identity(path: str) -> None:
-        try:
-            from protocol.identity import load_or_create_identity
-        except ImportError:  # hivemind then creates an RSA identity itself
-            return
-        load_or_create_identity(path)
-
-    # --- state publication ----------------------------------------------------------------------------------------
-    def publish_state(self, *, ready: bool = False) -> None:
-        r = self.replica
-        h = r.state_hash()
-        self.server.publish(ServedState(round=r.round, state_hash=h, blob=state_blob(r)))
-        self.node.loop.call_soon_threadsafe(self.averager.set_state, r.round, h)
-        self.node.set_record(PeerRecord(version=PROTOCOL_VERSION, fingerprint=self.model.fingerprint, config_json=self.model.config_json,
-                                        round=r.round, state_hash=h, ready=ready, leading=0, eta=time.time() + 60, updated=time.time()))
-
-    def sync_to(self, target: Behind) -> bool:
-        """Download, verify and adopt the agreed state; local progress is kept as a stale contribution if young enough."""
-        r = self.replica
-        total = 2 * 4 * self.model.numel
-        started = time.perf_counter()
-        try:
-            blob, bad = self.node.call(download_state(self.node, donors=target.donors, round_number=target.round, state_hash=target.state_hash,
-                                                      total_bytes=total, fingerprint=self.model.fingerprint,
-                                                      verify=lambda b: blob_hash(b, r)), timeout=600)
-        except (StateSyncError, concurrent.futures.TimeoutError) as exc:
-            logger.warning("re-sync to round %d failed: %s", target.round, exc)
-            return False
-        params, momentum = parse_blob(bytes(blob), r)
-        staleness = self.staleness + max(1, target.round - r.round)
-        keep = r.round_steps > 0 and staleness <= self.rounds.max_staleness
-        rebase(r, params, momentum, target.round, keep_progress=keep)
-        self.staleness = staleness if keep else 0
-        self.resyncs += 1
-        self.progress.event("resync", round=target.round, state_hash=target.state_hash[:16], seconds=round_float(time.perf_counter() - started),
-                            kept_progress=keep, failures=bad)
+    # --- start-up -------------------------------------------------------------------------------------------------
+    def start(self, loop: TrainingLoop) -> None:
+        r = loop.replica
+        self.loop, self.replica = loop, r
+        self.model = local_model(r, self.cfg.runtime.seed)
+        loop.on_step = lambda loss: self.reports.step(r, loss, loop.progress.tokens_per_second())
+        self.node.start()
+        self.averager = Averager(self.node, self.cfg.round, self.model, hooks=self.hooks)
+        self.server = StateServer(self.node, self.model.fingerprint, control_timeout_s=self.cfg.round.control_timeout_s, hooks=self.hooks)
+        self.averager.start()
+        self.node.call(self.server.register(), timeout=RECORDS_TIMEOUT_S)
         self.publish_state()
-        return True
-
-    # --- the main loop --------------------------------------------------------------------------------------------
-    def budget_spent(self, round_started: float) -> bool:
-        r, rounds = self.replica, self.rounds
-        if rounds.round_tokens:
-            return r.round_tokens >= rounds.round_tokens
-        if rounds.round_seconds:
-            return time.monotonic() - round_started >= rounds.round_seconds and r.round_steps > 0
-        return r.round_steps >= self.cfg["train"].inner_steps
-
-    def train_step(self) -> None:
-        if self.faults.faults:
-            self.faults.hit("inner_step", self.replica.round)
-        started = time.perf_counter()
-        result = self.replica.inner_step()
-        if self.run.slowdown > 1:
-            time.sleep(result.seconds * (self.run.slowdown - 1))
-        self.compute_s += time.perf_counter() - started
-        self.progress.step(step=self.replica.step, round=self.replica.round, loss=result.loss, tokens=result.tokens, lr=result.lr)
-        self.reports.step(self.replica, result.loss, self.progress.tokens_per_second())
-
-    def eta(self, round_started: float) -> float:
-        r, rounds = self.replica, self.rounds
-        if r.round_steps == 0:
-            return time.time() + 60
-        per_step = (time.monotonic() - round_started) / r.round_steps
-        if rounds.round_tokens:
-            remaining = max(0, rounds.round_tokens - r.round_tokens) / max(1, r.round_tokens / r.round_steps)
-        elif rounds.round_seconds:
-            return time.time() + max(0.0, rounds.round_seconds - (time.monotonic() - round_started))
-        else:
-            remaining = max(0, self.cfg["train"].inner_steps - r.round_steps)
-        return time.time() + remaining * per_step
-
-    def done(self) -> bool:
-        r = self.replica
-        return bool(self.stop) or bool(self.run.max_steps and r.step >= self.run.max_steps) or bool(self.run.max_rounds and r.round >= self.run.max_rounds)
-
-    def run_round(self) -> None:
-        r = self.replica
-        round_started, last_eta = time.monotonic(), 0.0
-        while not self.budget_spent(round_started) and not self.done():
-            self.train_step()
-            if time.monotonic() - last_eta > 1.0:
-                self.node.update_record(eta=self.eta(round_started))
-                last_eta = time.monotonic()
-        if self.done():
-            return
-        train_s = time.monotonic() - round_started
-        ready_at = time.monotonic()
-        self.node.update_record(ready=True, eta=time.time())
-        future = self.node.submit(self.averager.form_group(round_number=r.round, state_hash=r.state_hash(), my_eta=time.time()))
-        while not future.done():  # keep the accelerator busy while the group forms
-            if self.stop or (self.run.max_steps and r.step >= self.run.max_steps):
-                future.cancel()
-                break
-            if self.run.train_while_waiting:
-                self.train_step()
-            else:
-                concurrent.futures.wait([future], timeout=0.2)
-        wait_s = time.monotonic() - ready_at
-        record: dict[str, Any] = {"round": r.round, "train_s": round_float(train_s), "wait_s": round_float(wait_s)}
-        try:
-            outcome = future.result(timeout=0)
-        except (concurrent.futures.CancelledError, concurrent.futures.TimeoutError):
-            self.node.update_record(ready=False)
-            return
-        except RoundAborted as exc:
-            self.node.update_record(ready=False)
-            self._log_round({**record, "outcome": "aborted", "reason": str(exc)})
-            return
-        if isinstance(outcome, Behind):
-            self.node.update_record(ready=False)
-            self._log_round({**record, "outcome": "behind", "target_round": outcome.round})
-            if not self.sync_to(outcome) and self.run.max_rounds and outcome.round >= self.run.max_rounds:
-                # The swarm is done and its peers are leaving: nothing left to join, so do not wait forever.
-                self.stop.request(f"the swarm finished round {outcome.round} and its final state could not be fetched")
-            return
-        self.exchange(outcome, record)
-
-    def exchange(self, group: Group, record: dict[str, Any]) -> None:
-        r = self.replica
-        started = time.monotonic()
-        delta = flatten(r.pseudo_gradient(), r.names)
-        tokens, staleness = r.round_tokens, self.staleness
-        base_round = r.round
-        try:
-            if group.is_leader:
-                averaged, encoded = self.node.call(self.averager.reduce_as_leader(group, delta, tokens, staleness), timeout=self.rounds.exchange_timeout_s * 3)
-                self.faults.hit("leader_before_commit", group.round)
-                self.apply(averaged.delta)
-                new_hash = r.state_hash()
-                self.bytes_sent += self.node.call(self.averager.commit_as_leader(group, averaged, encoded, new_hash), timeout=self.rounds.exchange_timeout_s * 3)
-            else:
-                averaged = self.node.call(self.averager.exchange_as_member(group, delta, tokens, staleness), timeout=self.rounds.exchange_timeout_s * 4)
-                self.apply(averaged.delta)
-                new_hash = r.state_hash()
-                self.bytes_sent += averaged.bytes_sent
-        except (RoundAborted, concurrent.futures.TimeoutError) as exc:
-            if group.is_leader:
-                self.node.submit(self.averager.abort_as_leader(group, str(exc)))
-            self._log_round({**record, "outcome": "aborted", "reason": str(exc) or type(exc).__name__, "members": group.members,
-                             "leader": group.leader})
-            return
-        self.bytes_received += averaged.bytes_received
-        self.staleness = 0
-        mismatch = averaged.new_state_hash is not None and averaged.new_state_hash != new_hash
-        entry = {**record, "outcome": "committed", "round": base_round + 1, "leader": group.leader, "members": averaged.members,
-                 "weights": averaged.weights, "excluded": averaged.excluded, "state_hash": new_hash,
-                 "average_s": round_float(time.monotonic() - started), "role": "leader" if group.is_leader else "member",
-                 "direct": averaged.direct}
-        if mismatch:
-            entry["outcome"] = "hash_mismatch"
-            entry["leader_hash"] = averaged.new_state_hash
-        self.publish_state()
-        if r.round % self.run.eval_every == 0:
-            entry["eval_loss"] = round_float(r.evaluate_global())
-        self._log_round(entry)
-        if mismatch:
-            donors = [group.leader, *[m for m in averaged.members if m not in (group.leader, self.node.peer_id)]]
-            self.sync_to(Behind(round=base_round + 1, state_hash=str(averaged.new_state_hash), donors=donors))
-        if self.run.checkpoint_every and r.round % self.run.checkpoint_every == 0:
-            checkpoint.save(r, f"{self.run.workdir}/checkpoint", extra={"initial_eval_loss": self.initial_eval})
-
-    def apply(self, averaged: torch.Tensor) -> None:
-        r = self.replica
-        r.apply_outer(unflatten(averaged, r.global_params, r.names))
-
-    def _log_round(self, entry: dict[str, Any]) -> None:
-        entry = {k: v for k, v in entry.items() if v is not None}
-        self.history.append(entry)
-        self.reports.round({**entry, "step": self.replica.step, "tokens_total": self.replica.tokens})
-        if entry.get("outcome") == "committed" and not self._measured_hello:
-            self._measured_hello = True
-            self.reports.hello(self.replica, tokens_per_s=self.progress.tokens_per_second())
-        shown = {k: (v[:16] if k == "state_hash" else v) for k, v in entry.items() if k not in ("members", "weights", "excluded")}
-        shown["member_count"] = len(entry.get("members", []))
-        if "state_hash" in entry:
-            shown["state_hash_full"] = entry["state_hash"]
-        if "weights" in entry:
-            shown["weights"] = entry["weights"]
-        if entry.get("excluded"):
-            shown["excluded"] = entry["excluded"]
-        self.progress.event("round", **shown)
-
-    def check_compatibility(self) -> None:
-        records = self.node.call(self.node.fetch_records(), timeout=30)
-        records.pop(self.node.peer_id, None)
-        problem = compatibility_problem(records, fingerprint=self.model.fingerprint, config=self.model.config)
+        loop.progress.event("joined", peer_id=self.node.peer_id, maddrs=self.node.visible_maddrs(), round=r.round)
+        problem = compatibility_problem(self.others(), fingerprint=self.model.fingerprint, config=self.model.config)
         if problem:
             raise IncompatibleSwarm(problem)
+        self.reports.hello(r)
+        self.wait_for_peers()
+        self.initial_sync()
+
+    def others(self) -> dict[str, PeerRecord]:
+        return self.node.call(self.node.fetch_records(timeout=RECORDS_TIMEOUT_S / 3), timeout=RECORDS_TIMEOUT_S)
 
     def wait_for_peers(self, *, timeout: float = 300.0) -> None:
         """Hold training until `--wait-for-peers` compatible peers are visible, so a fresh swarm starts together."""
-        wanted = self.run.wait_for_peers
+        wanted, stop = self.cfg.run.wait_for_peers, self.loop.stop
         deadline = time.monotonic() + timeout
-        while wanted > 1 and not self.stop and time.monotonic() < deadline:
-            records = self.node.call(self.node.fetch_records(), timeout=30)
-            records.pop(self.node.peer_id, None)
-            seen = 1 + sum(r.version == PROTOCOL_VERSION and r.fingerprint == self.model.fingerprint for r in records.values())
-            if seen >= wanted:
+        while wanted > 1 and not stop and time.monotonic() < deadline:
+            if 1 + len(compatible(self.others(), self.model.fingerprint)) >= wanted:
                 return
-            self.stop.event.wait(0.5)
-        if wanted > 1 and not self.stop:
+            stop.event.wait(0.5)
+        if wanted > 1 and not stop:
             logger.warning("only some of the %d peers showed up within %.0fs; starting anyway", wanted, timeout)
 
     def initial_sync(self) -> None:
         r = self.replica
         for _ in range(3):
-            records = self.node.call(self.node.fetch_records(), timeout=30)
-            records.pop(self.node.peer_id, None)
-            compatible = {p: x for p, x in records.items() if x.version == PROTOCOL_VERSION and x.fingerprint == self.model.fingerprint}
-            target = choose_target(compatible, self.node.peer_id, r.round, r.state_hash())
+            target = choose_target(compatible(self.others(), self.model.fingerprint), self.node.peer_id, r.round, self.state_hash)
             if target is None or self.sync_to(target):
                 return
 
-    def run_forever(self) -> dict[str, Any]:
+    # --- state ----------------------------------------------------------------------------------------------------
+    def publish_state(self, *, ready: bool = False) -> None:
         r = self.replica
-        self.reports = SwarmReports(self.run.coordinator, self.net.identity, self.net.run_id)
-        self.node.start()
+        self.state_hash = r.state_hash()
+        self.server.publish(ServedState(round=r.round, state_hash=self.state_hash, blob=state_blob(r)))
+        self.averager.set_state(r.round, self.state_hash)
+        self.node.update_record(version=PROTOCOL_VERSION, fingerprint=self.model.fingerprint, config_json=self.model.config_json,
+                                round=r.round, state_hash=self.state_hash, ready=ready, leading=0, eta=time.time() + 60,
+                                updated=time.time())
+
+    def sync_to(self, target: Behind) -> bool:
+        """Download, verify and adopt the agreed state; local progress is kept as a stale contribution if young enough."""
+        r = self.replica
+        started = time.perf_counter()
         try:
-            self.averager = GroupAverager(self.node, self.rounds, self.model)
-            self.server = StateServer(self.node, self.model.fingerprint)
-            self.averager.faults = self.faults
-            if self.faults.match("serve_state", r.round) == "corrupt":
-                self.server.tamper = corrupt
-            self.node.call(self.averager.register(), timeout=30)
-            self.node.call(self.server.register(), timeout=30)
-            meta = checkpoint.load(r, f"{self.run.workdir}/checkpoint") if self.run.resume else {}
-            self.publish_state()
-            self.progress.event("joined", peer_id=self.node.peer_id, maddrs=self.node.visible_maddrs(), round=r.round)
-            self.check_compatibility()
-            self.reports.hello(r)
-            # θ_0 is the same on every fresh peer (same seed), so this is the run's initial loss, measured before
-            # any state is pulled from the swarm; a resumed peer keeps the value from its checkpoint.
-            self.initial_eval = meta.get("initial_eval_loss") or r.evaluate_global()
-            self.wait_for_peers()
-            self.initial_sync()
-            start_tokens, started = r.tokens, time.perf_counter()
+            blob, bad = self.node.call(download_state(self.node, donors=target.donors, round_number=target.round, state_hash=target.state_hash,
+                                                      total_bytes=8 * self.model.numel, fingerprint=self.model.fingerprint,
+                                                      verify=lambda b: verify_blob(b, r), control_timeout=self.cfg.round.control_timeout_s),
+                                       timeout=DOWNLOAD_TIMEOUT_S)
+        except (StateSyncError, concurrent.futures.TimeoutError) as exc:
+            logger.warning("re-sync to round %d failed: %s", target.round, exc)
+            return False
+        params, momentum = parse_blob(blob, r)
+        staleness = self.staleness + max(1, target.round - r.round)
+        keep = r.round_steps > 0 and staleness <= self.cfg.round.max_staleness
+        rebase(r, params, momentum, target.round, keep_progress=keep)
+        self.staleness = staleness if keep else 0
+        self.resyncs += 1
+        self.loop.progress.event("resync", round=target.round, state_hash=target.state_hash[:16], kept_progress=keep, failures=bad,
+                                 seconds=round_float(time.perf_counter() - started))
+        self.publish_state()
+        return True
+
+    # --- one round ------------------------------------------------------------------------------------------------
+    def _stop_early(self, round_started: float) -> bool:
+        """Whether to end local training now: a group for our round is forming, or the swarm moved past θ_r. Looks
+        at most every PEEK_S, on the loop, without blocking training; also keeps our ready-time estimate fresh."""
+        now = time.monotonic()
+        if now - self._last_eta >= ETA_EVERY_S:
+            eta = self.loop.eta(round_started)
+            if self.cfg.budget.close_early:
+                # we join a forming group within about one look, whatever our own budget says
+                eta = min(eta, time.time() + 2 * PEEK_S)
+            self.node.update_record(eta=eta)
+            self._last_eta = now
+        if not self.cfg.budget.close_early:
+            return False
+        if self._peek is None:
+            if now - self._peeked_at >= PEEK_S:
+                self._peek, self._peeked_at = self.node.submit(self.node.fetch_records(timeout=RECORDS_TIMEOUT_S / 3)), now
+            return False
+        if not self._peek.done():
+            return False
+        peek, self._peek = self._peek, None
+        try:
+            records = compatible(peek.result(), self.model.fingerprint)
+        except Exception as exc:  # noqa: BLE001 - a failed look only means: train on, look again
+            logger.debug("looking at the swarm failed: %r", exc)
+            return False
+        r = self.replica
+        return group_forming(records, r.round, self.state_hash) or \
+            choose_target(records, self.node.peer_id, r.round, self.state_hash) is not None
+
+    def round(self, loop: TrainingLoop) -> None:
+        r = loop.replica
+        train_s, _ = loop.train_round(stop_early=self._stop_early)
+        if loop.done():
+            return
+        ready_at = time.monotonic()
+        self.node.update_record(ready=True, eta=time.time())
+        found = self.averager.find_group(r.round, self.state_hash)
+        while not found.done():  # keep the accelerator busy while the group forms
+            if loop.steps_exhausted():
+                found.cancel()
+                break
+            if self.cfg.run.train_while_waiting:
+                loop.train_step()
+            else:
+                concurrent.futures.wait([found], timeout=0.2)
+        entry: dict[str, Any] = {"round": r.round, "train_s": round_float(train_s), "wait_s": round_float(time.monotonic() - ready_at)}
+        try:
+            outcome = found.result(timeout=0)
+        except (concurrent.futures.CancelledError, concurrent.futures.TimeoutError):
+            self.node.update_record(ready=False)
+            return
+        except RoundAborted as exc:
+            self.node.update_record(ready=False)
+            self.log_round({**entry, "outcome": Outcome.DISCARDED, "reason": str(exc)})
+            return
+        if isinstance(outcome, Behind):
+            self.node.update_record(ready=False)
+            self.log_round({**entry, "outcome": Outcome.BEHIND, "target_round": outcome.round})
+            max_rounds = self.cfg.run.max_rounds
+            if not self.sync_to(outcome) and max_rounds and outcome.round >= max_rounds:
+                # The swarm is done and its peers are leaving: nothing left to join, so do not wait forever.
+                loop.stop.request(f"the swarm finished round {outcome.round} and its final state could not be fetched")
+            return
+        self.average(outcome, entry)
+
+    def _apply(self, average: Any) -> str:
+        r = self.replica
+        r.apply_outer(unflatten(average, r.global_params, r.names))
+        return r.state_hash()
+
+    def average(self, group: Group, entry: dict[str, Any]) -> None:
+        r = self.replica
+        base_round = r.round
+        contribution = Contribution(delta=flatten(r.pseudo_gradient(), r.names), tokens=r.round_tokens, staleness=self.staleness)
+        result: RoundResult = self.averager.run_round(group, contribution, apply=self._apply)
+        entry.update(outcome=result.outcome, leader=result.leader, members=result.members, role=result.role)
+        if result.outcome == Outcome.DISCARDED:
+            self.log_round({**entry, "reason": result.reason})
+            return
+        self.bytes_sent += result.bytes_sent
+        self.bytes_received += result.bytes_received
+        self.staleness = 0
+        entry.update(round=base_round + 1, weights=result.weights, excluded=result.excluded, state_hash=result.state_hash,
+                     average_s=round_float(result.seconds), direct=result.direct)
+        if result.outcome == Outcome.MISMATCH:
+            entry["leader_hash"] = result.leader_hash
+        self.publish_state()
+        self.log_round(self.loop.after_round(entry), recorded=True)
+        if result.outcome == Outcome.MISMATCH:
+            donors = [result.leader, *[m for m in result.members if m not in (result.leader, self.node.peer_id)]]
+            self.sync_to(Behind(round=base_round + 1, state_hash=result.leader_hash, donors=donors))
+
+    def log_round(self, entry: dict[str, Any], *, recorded: bool = False) -> None:
+        entry = {k: (str(v) if k == "outcome" else v) for k, v in entry.items() if v is not None}
+        if not recorded:
+            self.loop.history.append(entry)
+        self.reports.round({**entry, "step": self.replica.step, "tokens_total": self.replica.tokens})
+        if entry.get("outcome") == Outcome.COMMITTED and not self._measured_hello:
+            self._measured_hello = True
+            self.reports.hello(self.replica, tokens_per_s=self.loop.progress.tokens_per_second())
+        shown = {k: (v[:16] if k == "state_hash" else v) for k, v in entry.items() if k not in ("members", "weights", "excluded")}
+        shown["member_count"] = len(entry.get("members", []))
+        if "state_hash" in entry:
+            shown["state_hash_full"] = entry["state_hash"]
+        for key in ("weights", "excluded", "members"):
+            if entry.get(key):
+                shown[key] = entry[key]
+        self.loop.progress.event("round", **shown)
+
+    # --- the end --------------------------------------------------------------------------------------------------
+    def finish(self, loop: TrainingLoop) -> None:
+        linger = self.cfg.run.linger_s
+        if linger and not loop.stop:
+            loop.progress.event("linger", seconds=linger, round=loop.replica.round)
+            loop.stop.event.wait(linger)  # keep serving our state to peers that are catching up
+
+    def summary(self, loop: TrainingLoop) -> dict[str, Any]:
+        return {"peer_id": self.node.peer_id, "resyncs": self.resyncs, "bytes_sent": self.bytes_sent,
+                "bytes_received": self.bytes_received}
+
+    def close(self) -> None:
+        self.reports.close()
+        if self.node.p2p is not None and getattr(self, "averager", None) is not None:
             try:
-                while not self.done():
-                    self.run_round()
-            finally:
-                self.progress.close()
-                checkpoint.save(r, f"{self.run.workdir}/checkpoint", extra={"initial_eval_loss": self.initial_eval})
-            wall = time.perf_counter() - started
-            if self.run.linger_s and not self.stop:
-                self.progress.event("linger", seconds=self.run.linger_s, round=r.round)
-                self.stop.event.wait(self.run.linger_s)  # keep serving our state to peers that are catching up
-            final_eval = r.evaluate_global()
-            return {
-                "mode": "swarm", "task": r.task.name, "peer_id": self.node.peer_id, "initial_eval_loss": round_float(self.initial_eval),
-                "final_eval_loss": round_float(final_eval), "steps": r.step, "rounds": r.round, "tokens": r.tokens,
-                "tokens_per_s": round_float((r.tokens - start_tokens) / wall) if wall > 0 else 0.0, "wall_s": round_float(wall),
-                "compute_s": round_float(self.compute_s), "state_hash": r.state_hash(), "resyncs": self.resyncs,
-                "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received, "stopped_early": bool(self.stop),
-                "history": self.history,
-            }
-        finally:
-            self.reports.close()
-            self.node.shutdown()
+                self.averager.close()
+            except Exception as exc:  # noqa: BLE001 - best effort on the way out
+                logger.debug("closing the data plane: %r", exc)
+        self.node.shutdown()
 
 
-def run_swarm_peer(replica: Replica, cfg: dict[str, Any], *, stop: StopFlag) -> dict[str, Any]:
-    return SwarmPeer(replica, cfg, stop).run_forever()
+def run_swarm_peer(replica: Replica, cfg: PeerConfig, *, stop: StopFlag) -> dict[str, Any]:
+    hooks = harness_hooks()
+    return TrainingLoop(replica, cfg, stop, hooks=hooks).run(SwarmSync(cfg, hooks))

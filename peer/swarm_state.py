@@ -1,5 +1,6 @@
-"""Bridges a Replica's named tensors and the protocol's flat views: pseudo-gradients as one fp32 vector, the
-global state as one blob (θ then m) for donors, and re-basing local progress onto a newer global state."""
+"""Bridges a Replica's named tensors and the protocol's flat views: pseudo-gradients as one fp32 vector, the global
+state as one blob for donors (layout in `protocol.hashing.pack_state`), and re-basing local progress onto a newer
+global state."""
 from __future__ import annotations
 
 import json
@@ -7,9 +8,9 @@ import json
 import torch
 
 from peer.replica import Replica
-from protocol.group import LocalModel
-from protocol.hashing import state_hash
+from protocol.hashing import blob_hash, pack_state, unpack_state
 from protocol.records import fingerprint
+from protocol.rounds import LocalModel
 
 
 def local_model(replica: Replica, seed: int) -> LocalModel:
@@ -35,25 +36,20 @@ def unflatten(flat: torch.Tensor, like: dict[str, torch.Tensor], names: list[str
     return out
 
 
+def _shapes(replica: Replica) -> dict[str, torch.Size]:
+    return {n: replica.global_params[n].shape for n in replica.names}
+
+
 def state_blob(replica: Replica) -> bytes:
-    flat = torch.cat([flatten(replica.global_params, replica.names), flatten(replica.momentum, replica.names)])
-    return flat.numpy().tobytes()
+    return pack_state(replica.global_params, replica.momentum, replica.names)
 
 
-def parse_blob(blob: bytes, replica: Replica) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    flat = torch.frombuffer(bytearray(blob), dtype=torch.float32)
-    half = flat.numel() // 2
-    if flat.numel() != 2 * sum(replica.global_params[n].numel() for n in replica.names):
-        raise ValueError(f"state blob of {len(blob)} bytes does not fit this model")
-    return unflatten(flat[:half], replica.global_params, replica.names), unflatten(flat[half:], replica.global_params, replica.names)
+def parse_blob(blob: bytes | bytearray, replica: Replica) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    return unpack_state(blob, _shapes(replica), replica.names)
 
 
-def blob_hash(blob: bytes, replica: Replica) -> str:
-    try:
-        params, momentum = parse_blob(blob, replica)
-    except ValueError:
-        return ""
-    return state_hash(params, momentum)
+def verify_blob(blob: bytes | bytearray, replica: Replica) -> str:
+    return blob_hash(blob, _shapes(replica), replica.names)
 
 
 @torch.no_grad()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -44,3 +44,33 @@ def state_hash(params: Mapping[str, torch.Tensor], momentum: Mapping[str, torch.
     combined = {f"param/{k}": v for k, v in params.items()}
     combined.update({f"momentum/{k}": v for k, v in momentum.items()})
     return hash_tensors(combined)
+
+
+def pack_state(params: Mapping[str, torch.Tensor], momentum: Mapping[str, torch.Tensor], names: Sequence[str]) -> bytes:
+    """The global state as donors serve it: θ then m, fp32, little-endian, parameters in `names` order."""
+    flat = [params[n].reshape(-1).to(torch.float32) for n in names] + [momentum[n].reshape(-1).to(torch.float32) for n in names]
+    return torch.cat(flat).numpy().tobytes() if flat else b""
+
+
+def unpack_state(blob: bytes | bytearray, shapes: Mapping[str, torch.Size], names: Sequence[str]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Inverse of `pack_state` for a model of these parameter shapes; ValueError when the size does not fit."""
+    sizes = [int(torch.Size(shapes[n]).numel()) for n in names]
+    if len(blob) != 8 * sum(sizes):
+        raise ValueError(f"state blob of {len(blob)} bytes does not fit this model ({8 * sum(sizes)} bytes)")
+    flat = torch.frombuffer(bytearray(blob), dtype=torch.float32) if len(blob) else torch.zeros(0)
+    parts: list[dict[str, torch.Tensor]] = [{}, {}]
+    offset = 0
+    for part in parts:
+        for name, size in zip(names, sizes):
+            part[name] = flat[offset: offset + size].view(shapes[name])
+            offset += size
+    return parts[0], parts[1]
+
+
+def blob_hash(blob: bytes | bytearray, shapes: Mapping[str, torch.Size], names: Sequence[str]) -> str:
+    """The state hash of a served blob; "" when the blob does not fit the model (so it never matches a real hash)."""
+    try:
+        params, momentum = unpack_state(blob, shapes, names)
+    except ValueError:
+        return ""
+    return state_hash(params, momentum)

@@ -1,7 +1,8 @@
-"""A swarm node: hivemind's DHT (in its own process, with the p2pd daemon), a P2P replica, and an asyncio loop on a
-background thread that serves our stream protocols while the training thread keeps the accelerator busy.
+"""The real transport: hivemind's DHT (in its own process, with the p2pd daemon), a P2P replica, and an asyncio loop
+on a background thread that serves our stream protocols while the training thread keeps the accelerator busy.
 
-The training thread talks to the loop only through `submit` / `call` (thread-safe futures with timeouts).
+The training thread talks to the loop only through `submit` / `call` (thread-safe futures with timeouts) and
+`update_record`; see `protocol.transport.Transport` for the interface the round code relies on.
 """
 from __future__ import annotations
 
@@ -9,28 +10,21 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
+from collections.abc import Coroutine
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import hivemind
-from hivemind.utils import get_dht_time
+import uvloop
 from hivemind.p2p import P2P, PeerID
+from hivemind.utils import get_dht_time
 
+from protocol.data_plane import hosts_from_maddrs
 from protocol.records import PeerRecord, peers_key
+from protocol.transport import Stream, StreamHandler
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-StreamHandler = Callable[[Any, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-
-
-def _new_loop() -> asyncio.AbstractEventLoop:
-    """uvloop when installed (roughly twice asyncio's stream throughput for the bulk tensors), asyncio otherwise."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,7 +62,7 @@ class SwarmNode:
         self.net = net
         self.dht: hivemind.DHT | None = None
         self.p2p: P2P | None = None
-        self.loop = _new_loop()
+        self.loop = uvloop.new_event_loop()  # roughly twice asyncio's stream throughput for the bulk tensors
         self._thread = threading.Thread(target=self._run_loop, name="swarm-loop", daemon=True)
         self._record: PeerRecord | None = None
         self._heartbeat: asyncio.Task[None] | None = None
@@ -145,31 +139,52 @@ class SwarmNode:
         assert self.dht is not None
         return self.dht.peer_id.to_base58()
 
+    @property
+    def run_id(self) -> str:
+        return self.net.run_id
+
     def visible_maddrs(self) -> list[str]:
         assert self.dht is not None
         return [str(m) for m in self.dht.get_visible_maddrs()]
 
+    def data_plane_hosts(self) -> tuple[str, list[str]] | None:
+        if not self.net.data_plane:
+            return None
+        listen = hosts_from_maddrs(list(self.net.host_maddrs))
+        advertise = hosts_from_maddrs(list(self.net.announce_maddrs) or self.visible_maddrs())
+        if not advertise:
+            return None
+        return (listen[0] if len(listen) == 1 else "0.0.0.0"), advertise
+
     async def add_handler(self, name: str, handler: StreamHandler) -> None:
         assert self.p2p is not None
-        await self.p2p.add_binary_stream_handler(name, handler)
+
+        async def serve(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await handler(info.peer_id.to_base58(), reader, writer)
+
+        await self.p2p.add_binary_stream_handler(name, serve)
         self._handlers.append(name)
 
-    async def open_stream(self, peer_id: str, name: str, *, timeout: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def open_stream(self, peer_id: str, name: str, *, timeout: float) -> Stream:
         assert self.p2p is not None
         _, reader, writer = await asyncio.wait_for(self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name), timeout)
         return reader, writer
 
-    # --- the peer record ------------------------------------------------------------------------------------------
-    def set_record(self, record: PeerRecord) -> None:
-        """Replace this peer's record and publish it now (thread-safe; the heartbeat republishes it)."""
-        self._record = record
-        asyncio.run_coroutine_threadsafe(self._publish(), self.loop)
-
+    # --- the peer record: written on the loop thread only -----------------------------------------------------------
     def update_record(self, **changes: Any) -> None:
-        assert self._record is not None
-        from dataclasses import replace
+        """Change fields of this peer's record (every field, the first time) and publish it now; thread-safe.
+        The change is applied on the loop thread, in call order, so concurrent updates never undo each other."""
+        if self._on_loop():
+            self._apply_record(changes)
+        else:
+            self.loop.call_soon_threadsafe(self._apply_record, changes)
 
-        self.set_record(replace(self._record, **changes))
+    def _on_loop(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def _apply_record(self, changes: dict[str, Any]) -> None:
+        self._record = replace(self._record, **changes) if self._record is not None else PeerRecord(**changes)
+        self.loop.create_task(self._publish())
 
     async def _publish(self) -> None:
         record, dht = self._record, self.dht
@@ -192,8 +207,8 @@ class SwarmNode:
             await self._publish()
             await asyncio.sleep(self.net.heartbeat_s)
 
-    async def fetch_records(self, *, timeout: float = 10.0) -> dict[str, PeerRecord]:
-        """Every live, well-formed record of this run (malformed ones are dropped, never trusted)."""
+    async def fetch_records(self, *, timeout: float) -> dict[str, PeerRecord]:
+        """Every other peer's live, well-formed record of this run (malformed ones are dropped, never trusted)."""
         dht = self.dht
         assert dht is not None
         loop = asyncio.get_running_loop()
@@ -207,6 +222,6 @@ class SwarmNode:
         for subkey, item in found.value.items():
             value = getattr(item, "value", None)
             record = PeerRecord.parse(value)
-            if isinstance(subkey, str) and record is not None and len(subkey) < 128:
+            if isinstance(subkey, str) and record is not None and len(subkey) < 128 and subkey != self.peer_id:
                 records[subkey] = record
         return records

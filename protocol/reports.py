@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol.identity import Identity, verify
+from protocol.outcome import Outcome
 
 __all__ = [
     "KINDS",
@@ -47,7 +48,6 @@ __all__ = [
     "validate_envelope",
 ]
 
-SCHEMA_VERSION = 1
 MAX_REPORT_BYTES = 64 * 1024
 MAX_MEMBERS = 256
 _DOMAIN = b"swarmloco-report-v1\n"
@@ -55,7 +55,7 @@ _MAX_INT = 2**53  # JSON-safe integers (JavaScript's dashboard reads them too)
 _MAX_SECONDS = 1e7
 _MAX_LOSS = 1e6
 
-OUTCOMES: tuple[str, ...] = ("committed", "discarded", "failed", "timeout", "skipped", "stale")
+OUTCOMES: tuple[str, ...] = tuple(o.value for o in Outcome)
 KINDS: tuple[str, ...] = ("hello", "heartbeat", "metrics", "round", "bye")
 
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")

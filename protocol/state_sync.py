@@ -1,8 +1,8 @@
 """State download: donors serve the flattened global state; a joiner fetches it (from several donors in parallel
 when it can), verifies it against the hash the swarm agreed on, and falls back donor by donor when a part is bad.
 
-The served blob is θ then m, fp32, in the model's canonical parameter order; what it means is the peer's business —
-the protocol only moves bytes and calls the peer's `verify(blob) -> hash` before accepting anything.
+The served blob is θ then m, fp32, in the model's canonical parameter order (`protocol.hashing.pack_state`); the
+protocol only moves bytes and calls the caller's `verify(blob) -> hash` before accepting anything.
 """
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from protocol import swarmloco_wire_pb2 as pb
-from protocol.node import SwarmNode
+from protocol.hooks import Hooks
 from protocol.records import PROTOCOL_VERSION
+from protocol.transport import Transport
 from protocol.wire import WireError, close_writer, read_frame, write_frame
 
 logger = logging.getLogger(__name__)
@@ -33,12 +34,13 @@ class StateSyncError(RuntimeError):
 class StateServer:
     """Serves this peer's current global state, at most `max_concurrent` downloads at a time."""
 
-    def __init__(self, node: SwarmNode, fingerprint: str, *, max_concurrent: int = 4, timeout_s: float = 120.0) -> None:
-        self.node, self.fingerprint, self.timeout_s = node, fingerprint, timeout_s
-        self.handler_name = f"swarmloco/{node.net.run_id}/state/v{PROTOCOL_VERSION}"
+    def __init__(self, node: Transport, fingerprint: str, *, max_concurrent: int = 4, timeout_s: float = 120.0,
+                 control_timeout_s: float = 10.0, hooks: Hooks | None = None) -> None:
+        self.node, self.fingerprint, self.timeout_s, self.control_timeout_s = node, fingerprint, timeout_s, control_timeout_s
+        self.handler_name = state_handler(node.run_id)
         self.state: ServedState | None = None
         self._slots = asyncio.Semaphore(max_concurrent)
-        self.tamper: Callable[[bytes], bytes] | None = None  # test hook: a lying donor (fault matrix row 13)
+        self.hooks = hooks or Hooks()
 
     async def register(self) -> None:
         await self.node.add_handler(self.handler_name, self._handle)
@@ -46,24 +48,25 @@ class StateServer:
     def publish(self, state: ServedState) -> None:
         self.state = state  # a single reference swap: readers see the old or the new blob, never a mix
 
-    async def _handle(self, info: object, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _handle(self, caller: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        control = self.control_timeout_s
         try:
-            req, _ = await read_frame(reader, pb.StateRequest, max_payload=0, timeout=10)
+            req, _ = await read_frame(reader, pb.StateRequest, max_payload=0, timeout=control)
             state = self.state
-            if req.run_id != self.node.net.run_id or req.fingerprint != self.fingerprint:
-                await write_frame(writer, pb.StateHeader(ok=False, message="run id or model fingerprint differs"), timeout=10)
+            if req.run_id != self.node.run_id or req.fingerprint != self.fingerprint:
+                await write_frame(writer, pb.StateHeader(ok=False, message="run id or model fingerprint differs"), timeout=control)
                 return
             if state is None:
-                await write_frame(writer, pb.StateHeader(ok=False, message="no state yet"), timeout=10)
+                await write_frame(writer, pb.StateHeader(ok=False, message="no state yet"), timeout=control)
                 return
             if self._slots.locked():
-                await write_frame(writer, pb.StateHeader(ok=False, message="busy: too many downloads"), timeout=10)
+                await write_frame(writer, pb.StateHeader(ok=False, message="busy: too many downloads"), timeout=control)
                 return
             async with self._slots:
                 total = len(state.blob)
                 start = min(req.offset, total)
                 end = total if req.length == 0 else min(total, start + req.length)
-                blob = state.blob if self.tamper is None else self.tamper(state.blob)
+                blob = self.hooks.served_state(state.blob)
                 header = pb.StateHeader(ok=True, round=state.round, state_hash=state.state_hash, total_bytes=total, offset=start)
                 await write_frame(writer, header, memoryview(blob)[start:end], timeout=self.timeout_s)
                 await asyncio.wait_for(reader.read(1), self.timeout_s)  # wait for the client to close: all bytes arrived
@@ -73,11 +76,15 @@ class StateServer:
             close_writer(writer)
 
 
-async def _fetch(node: SwarmNode, name: str, donor: str, fingerprint: str, offset: int, length: int, *, expect_round: int,
-                 expect_hash: str, total: int, timeout: float) -> bytearray:
-    reader, writer = await node.open_stream(donor, name, timeout=15)
+def state_handler(run_id: str) -> str:
+    return f"swarmloco/{run_id}/state/v{PROTOCOL_VERSION}"
+
+
+async def _fetch(node: Transport, name: str, donor: str, fingerprint: str, offset: int, length: int, *, expect_round: int,
+                 expect_hash: str, total: int, timeout: float, control: float) -> bytearray:
+    reader, writer = await node.open_stream(donor, name, timeout=control)
     try:
-        await write_frame(writer, pb.StateRequest(run_id=node.net.run_id, fingerprint=fingerprint, offset=offset, length=length), timeout=10)
+        await write_frame(writer, pb.StateRequest(run_id=node.run_id, fingerprint=fingerprint, offset=offset, length=length), timeout=control)
         header, body = await read_frame(reader, pb.StateHeader, max_payload=total, timeout=timeout)
     finally:
         close_writer(writer)
@@ -90,15 +97,15 @@ async def _fetch(node: SwarmNode, name: str, donor: str, fingerprint: str, offse
     return body
 
 
-async def download_state(node: SwarmNode, *, donors: list[str], round_number: int, state_hash: str, total_bytes: int,
+async def download_state(node: Transport, *, donors: list[str], round_number: int, state_hash: str, total_bytes: int,
                          fingerprint: str, verify: Callable[[bytes], str], max_parallel: int = 4,
-                         timeout: float = 300.0) -> tuple[bytearray, list[str]]:
+                         timeout: float = 300.0, control_timeout: float = 15.0) -> tuple[bytearray, list[str]]:
     """Fetch and verify the state; returns (blob, failures: donors that failed or lied, plus "parallel-assembly" when
     the parallel download did not verify). Raises StateSyncError."""
-    name = f"swarmloco/{node.net.run_id}/state/v{PROTOCOL_VERSION}"
+    name = state_handler(node.run_id)
     bad: list[str] = []
     loop = asyncio.get_running_loop()
-    kw = dict(expect_round=round_number, expect_hash=state_hash, total=total_bytes, timeout=timeout)
+    kw = dict(expect_round=round_number, expect_hash=state_hash, total=total_bytes, timeout=timeout, control=control_timeout)
     parallel = donors[:max_parallel]
     if len(parallel) > 1:
         bounds = [total_bytes * i // len(parallel) for i in range(len(parallel) + 1)]

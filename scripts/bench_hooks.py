@@ -34,35 +34,34 @@ def _where(exc: BaseException) -> str:
 def _allreduce_worker(index: int, bootstrap: list[str], numel: int, peers: int, reps: int, codec: str, out: Any) -> None:
     import torch
 
-    from protocol.group import GroupAverager, LocalModel, RoundConfig
+    from protocol.averager import Averager, Contribution
     from protocol.node import NetworkConfig, SwarmNode
-    from protocol.records import PROTOCOL_VERSION, PeerRecord
+    from protocol.records import PROTOCOL_VERSION
+    from protocol.rounds import LocalModel, Outcome, RoundConfig
 
     torch.set_num_threads(1)
     node = SwarmNode(NetworkConfig(run_id="bench", initial_peers=tuple(bootstrap), host_maddrs=("/ip4/127.0.0.1/tcp/0",), heartbeat_s=0.5))
     node.start()
     try:
         model = LocalModel(fingerprint="bench", config={"numel": numel}, numel=numel)
-        averager = GroupAverager(node, RoundConfig(quorum=peers, grace_min_s=0.0, grace_max_s=0.0, codec=codec, exchange_timeout_s=300, round_timeout_s=300), model)
-        node.call(averager.register(), timeout=30)
+        cfg = RoundConfig(quorum=peers, grace_min_s=0.0, grace_max_s=0.0, codec=codec, exchange_timeout_s=300, round_timeout_s=300)
+        averager = Averager(node, cfg, model)
+        averager.start()
         delta = torch.randn(numel, generator=torch.Generator().manual_seed(index))
         results = []
         for rep in range(reps):
-            node.set_record(PeerRecord(version=PROTOCOL_VERSION, fingerprint="bench", config_json="{}", round=rep, state_hash=HASH, ready=True,
-                                       leading=0, eta=time.time(), updated=time.time()))
+            node.update_record(version=PROTOCOL_VERSION, fingerprint="bench", config_json="{}", round=rep, state_hash=HASH, ready=True,
+                               leading=0, eta=time.time(), updated=time.time())
+            averager.set_state(rep, HASH)
             # outlives round_timeout_s, so a matchmaking stall surfaces as form_group's own RoundAborted message
-            group = node.call(averager.form_group(round_number=rep, state_hash=HASH, my_eta=time.time()),
-                              timeout=averager.cfg.round_timeout_s + 30)
+            group = averager.find_group(rep, HASH).result(timeout=cfg.round_timeout_s + 30)
             t0 = time.time()
-            if group.is_leader:
-                averaged, encoded = node.call(averager.reduce_as_leader(group, delta, 1000, 0), timeout=600)
-                sent = node.call(averager.commit_as_leader(group, averaged, encoded, HASH), timeout=600)
-                received = averaged.bytes_received
-            else:
-                averaged = node.call(averager.exchange_as_member(group, delta, 1000, 0), timeout=600)
-                sent, received = averaged.bytes_sent, averaged.bytes_received
-            results.append({"rep": rep, "t0": t0, "t1": time.time(), "leader": group.is_leader, "sent": sent, "received": received,
-                            "members": len(group.members), "direct": averaged.direct})
+            # The timed part is the same call a peer makes; "apply" keeps the state, so every rep starts from HASH.
+            result = averager.run_round(group, Contribution(delta=delta, tokens=1000), apply=lambda average: HASH)
+            if result.outcome != Outcome.COMMITTED:
+                raise RuntimeError(f"rep {rep}: round ended {result.outcome}: {result.reason}")
+            results.append({"rep": rep, "t0": t0, "t1": time.time(), "leader": group.is_leader, "sent": result.bytes_sent,
+                            "received": result.bytes_received, "members": len(group.members), "direct": result.direct})
         out.put({"index": index, "results": results, "error": None})
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the measurement
         out.put({"index": index, "results": [], "error": f"{exc!r} at {_where(exc)}"})
@@ -125,7 +124,7 @@ def _join_donor(preset: str, bootstrap: list[str], out: Any, stop: Any) -> None:
     import torch
 
     from peer.model import GPT, PRESETS
-    from protocol.hashing import state_hash
+    from protocol.hashing import pack_state, state_hash
     from protocol.node import NetworkConfig, SwarmNode
     from protocol.state_sync import ServedState, StateServer
 
@@ -133,8 +132,7 @@ def _join_donor(preset: str, bootstrap: list[str], out: Any, stop: Any) -> None:
     model = GPT(PRESETS[preset])
     params = {n: p.detach().float() for n, p in model.named_parameters()}
     momentum = {n: torch.full_like(p, 0.5) for n, p in params.items()}
-    names = list(params)
-    blob = torch.cat([*(params[n].reshape(-1) for n in names), *(momentum[n].reshape(-1) for n in names)]).numpy().tobytes()
+    blob = pack_state(params, momentum, list(params))
     node = SwarmNode(NetworkConfig(run_id="bench-join", initial_peers=tuple(bootstrap), host_maddrs=("/ip4/127.0.0.1/tcp/0",)))
     node.start()
     try:
@@ -149,10 +147,8 @@ def _join_donor(preset: str, bootstrap: list[str], out: Any, stop: Any) -> None:
 
 def join_seconds(preset: str, donors: int) -> float:
     """Seconds from the joiner's first request to holding the donors' state, hash-verified."""
-    import torch
-
     from peer.model import GPT, PRESETS
-    from protocol.hashing import state_hash
+    from protocol.hashing import blob_hash
     from protocol.node import NetworkConfig, SwarmNode
     from protocol.state_sync import download_state
 
@@ -168,14 +164,7 @@ def join_seconds(preset: str, donors: int) -> float:
         names = list(shapes)
 
         def verify(blob: bytes) -> str:
-            flat = torch.frombuffer(bytearray(blob), dtype=torch.float32)
-            out, offset = [{}, {}], 0
-            for part in out:
-                for n in names:
-                    k = int(torch.Size(shapes[n]).numel())
-                    part[n] = flat[offset: offset + k].view(shapes[n])
-                    offset += k
-            return state_hash(out[0], out[1])
+            return blob_hash(blob, shapes, names)
 
         node = SwarmNode(NetworkConfig(run_id="bench-join", initial_peers=tuple(m for i in infos for m in i["maddrs"]),
                                        host_maddrs=("/ip4/127.0.0.1/tcp/0",)))
@@ -215,7 +204,7 @@ def utilisation(slowdowns: list[float], mode: str, shaped: bool, netns: list[tup
     if mode == "async":
         common += ["--quorum", "2", "--round-seconds", "6", "--train-while-waiting"]
     elif mode == "sync":
-        common += ["--quorum", str(n), "--inner-steps", "40", "--no-train-while-waiting", "--grace-min", "0"]
+        common += ["--quorum", str(n), "--inner-steps", "40", "--no-train-while-waiting", "--no-close-early", "--grace-min", "0"]
     else:
         raise ValueError(f"mode: got {mode!r}, allowed async, sync")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))

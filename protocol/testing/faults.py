@@ -1,7 +1,7 @@
-"""Fault injection for real multi-process tests (DESIGN §4): faults keyed by (phase, round), counted when they fire.
+"""Fault injection for multi-process tests: faults keyed by (phase, round), counted when they fire.
 
-A peer process reads `SWARMLOCO_FAULTS`, a comma-separated list of `phase=action[@round]` (round omitted: the first
-time the phase is reached). Phases and actions:
+A peer process started with `SWARMLOCO_FAULTS` (a comma-separated list of `phase=action[@round]`; round omitted:
+the first time the phase is reached) runs with a `FaultInjector` as its hooks. Phases and actions:
     inner_step=kill            SIGKILL this peer's whole session (peer, DHT process, p2pd) during inner steps
     member_after_send=kill     die after sending the contribution, before the result arrives
     leader_before_commit=kill  die as leader after averaging, before anyone got the result
@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from protocol.hooks import Hooks
+
 logger = logging.getLogger(__name__)
 ENV = "SWARMLOCO_FAULTS"
 PHASES = {"inner_step", "member_after_send", "leader_before_commit", "contribute", "serve_state"}
@@ -34,24 +36,26 @@ class Fault:
 
 
 @dataclass
-class FaultInjector:
+class FaultInjector(Hooks):
     faults: list[Fault] = field(default_factory=list)
     fired: list[tuple[str, str, int]] = field(default_factory=list)
     on_fire: Callable[[str, str, int], None] | None = None
+    kill: Callable[[], None] = field(default=lambda: die())  # tests of the injector itself replace it
 
     @classmethod
-    def parse(cls, spec: str) -> "FaultInjector":
+    def parse(cls, spec: str) -> FaultInjector:
         faults = []
         for item in filter(None, (s.strip() for s in spec.split(","))):
             phase, _, rest = item.partition("=")
             action, _, round_text = rest.partition("@")
             if phase not in PHASES or action not in ACTIONS:
-                raise ValueError(f"{ENV}: got {item!r}, allowed phase=action[@round] with phases {sorted(PHASES)}, actions {sorted(ACTIONS)}")
+                raise ValueError(f"{ENV}: got {item!r}, allowed phase=action[@round] with phases {sorted(PHASES)}, "
+                                 f"actions {sorted(ACTIONS)}")
             faults.append(Fault(phase, action, int(round_text) if round_text else None))
         return cls(faults)
 
     @classmethod
-    def from_env(cls) -> "FaultInjector":
+    def from_env(cls) -> FaultInjector:
         return cls.parse(os.environ.get(ENV, ""))
 
     def match(self, phase: str, round_number: int) -> str | None:
@@ -66,11 +70,21 @@ class FaultInjector:
                 return fault.action
         return None
 
-    def hit(self, phase: str, round_number: int) -> None:
+    def _hit(self, phase: str, round_number: int) -> None:
         if self.match(phase, round_number) == "kill":
-            die()
+            self.kill()
 
-    def mutate_contribution(self, round_number: int, delta: torch.Tensor, tokens: int) -> tuple[torch.Tensor, int]:
+    # --- the hooks ------------------------------------------------------------------------------------------------
+    def inner_step(self, round_number: int) -> None:
+        self._hit("inner_step", round_number)
+
+    def after_send(self, round_number: int) -> None:
+        self._hit("member_after_send", round_number)
+
+    def before_commit(self, round_number: int) -> None:
+        self._hit("leader_before_commit", round_number)
+
+    def contribution(self, round_number: int, delta: torch.Tensor, tokens: int) -> tuple[torch.Tensor, int]:
         action = self.match("contribute", round_number)
         if action == "nan":
             delta = delta.clone()
@@ -82,6 +96,13 @@ class FaultInjector:
         elif action == "zero_tokens":
             tokens = 0
         return delta, tokens
+
+    def served_state(self, blob: bytes) -> bytes:
+        # Armed once, then every download is served corrupt: a donor that lies consistently.
+        if any(f.phase == "serve_state" and f.action == "corrupt" and f.fired for f in self.faults) or \
+                self.match("serve_state", 0) == "corrupt":
+            return corrupt(blob)
+        return blob
 
 
 def die() -> None:

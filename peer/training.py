@@ -1,0 +1,166 @@
+"""One training loop for every mode: inner steps until the round's budget is spent, then a sync strategy ends it.
+
+Solo training (M = 1 DiLoCo) ends a round by applying the peer's own pseudo-gradient (`peer.solo`); a swarm peer
+by averaging it with other peers' (`peer.swarm_runner`). Everything else lives here once: the budget and the stop
+conditions, the slowdown used to emulate slower hardware, evaluation and checkpoints after a round, the final
+checkpoint and the run summary.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from peer import checkpoint
+from peer.config import PeerConfig
+from peer.progress import Progress, round_float
+from peer.replica import Replica
+from peer.signals import StopFlag
+from protocol.hooks import Hooks
+
+logger = logging.getLogger(__name__)
+FAULTS_ENV = "SWARMLOCO_FAULTS"
+
+
+def harness_hooks() -> Hooks:
+    """The no-op hooks; or, when a test harness set SWARMLOCO_FAULTS, its fault injector (never loaded otherwise)."""
+    if not os.environ.get(FAULTS_ENV):
+        return Hooks()
+    from protocol.testing.faults import FaultInjector
+
+    return FaultInjector.from_env()
+
+
+class Sync(Protocol):
+    """How a round ends. `start` runs once the replica is loaded; `round` trains one round through the loop and
+    syncs it; `finish` runs after the last round; `summary` adds mode-specific fields; `close` always runs."""
+
+    mode: str
+
+    def start(self, loop: TrainingLoop) -> None: ...
+
+    def round(self, loop: TrainingLoop) -> None: ...
+
+    def finish(self, loop: TrainingLoop) -> None: ...
+
+    def summary(self, loop: TrainingLoop) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+class TrainingLoop:
+    def __init__(self, replica: Replica, cfg: PeerConfig, stop: StopFlag, *, hooks: Hooks | None = None) -> None:
+        self.replica, self.cfg, self.stop = replica, cfg, stop
+        self.hooks = hooks or Hooks()
+        self.progress = Progress(log_format=cfg.run.log_format, total_steps=cfg.run.max_steps or None, initial_step=replica.step)
+        if hasattr(self.hooks, "on_fire"):
+            self.hooks.on_fire = lambda phase, action, rnd: self.progress.event("fault", phase=phase, action=action, round=rnd)
+        self.history: list[dict[str, Any]] = []
+        self.compute_s = 0.0
+        self.initial_eval = 0.0
+        self.on_step: Callable[[float], None] | None = None  # the swarm's coordinator reports
+        self.checkpoint_dir = f"{cfg.run.workdir}/checkpoint"
+
+    # --- when a round, and the run, are over ----------------------------------------------------------------------
+    def done(self) -> bool:
+        run, r = self.cfg.run, self.replica
+        return bool(self.stop) or bool(run.max_steps and r.step >= run.max_steps) or bool(run.max_rounds and r.round >= run.max_rounds)
+
+    def steps_exhausted(self) -> bool:
+        return bool(self.stop) or bool(self.cfg.run.max_steps and self.replica.step >= self.cfg.run.max_steps)
+
+    def budget_spent(self, round_started: float) -> bool:
+        r, budget = self.replica, self.cfg.budget
+        if budget.round_tokens:
+            return r.round_tokens >= budget.round_tokens
+        if budget.round_seconds:
+            return time.monotonic() - round_started >= budget.round_seconds and r.round_steps > 0
+        return r.round_steps >= self.cfg.train.inner_steps
+
+    def eta(self, round_started: float) -> float:
+        """Unix time this peer expects to have spent its budget, from its own measured step times."""
+        r, budget = self.replica, self.cfg.budget
+        if r.round_steps == 0:
+            return time.time() + 60
+        if budget.round_seconds:
+            return time.time() + max(0.0, budget.round_seconds - (time.monotonic() - round_started))
+        per_step = (time.monotonic() - round_started) / r.round_steps
+        if budget.round_tokens:
+            remaining = max(0, budget.round_tokens - r.round_tokens) / max(1, r.round_tokens / r.round_steps)
+        else:
+            remaining = max(0, self.cfg.train.inner_steps - r.round_steps)
+        return time.time() + remaining * per_step
+
+    # --- training -------------------------------------------------------------------------------------------------
+    def train_step(self) -> None:
+        self.hooks.inner_step(self.replica.round)
+        started = time.perf_counter()
+        result = self.replica.inner_step()
+        if self.cfg.run.slowdown > 1:
+            time.sleep(result.seconds * (self.cfg.run.slowdown - 1))
+        self.compute_s += time.perf_counter() - started
+        self.progress.step(step=self.replica.step, round=self.replica.round, loss=result.loss, tokens=result.tokens, lr=result.lr)
+        if self.on_step is not None:
+            self.on_step(result.loss)
+
+    def train_round(self, *, stop_early: Callable[[float], bool] | None = None) -> tuple[float, bool]:
+        """Inner steps from θ_r until the budget is spent, the run is done, or `stop_early(round_started)` says so
+        (checked after each step, so at least one is taken). Returns (seconds, whether the budget was spent)."""
+        started = time.monotonic()
+        while not (spent := self.budget_spent(started)) and not self.done():
+            self.train_step()
+            if stop_early is not None and stop_early(started):
+                break
+        return time.monotonic() - started, spent
+
+    def after_round(self, entry: dict[str, Any]) -> dict[str, Any]:
+        """Evaluate and checkpoint on schedule after θ_r advanced; the entry joins the run's history."""
+        r, run = self.replica, self.cfg.run
+        if r.round % run.eval_every == 0:
+            entry["eval_loss"] = round_float(r.evaluate_global())
+        self.history.append(entry)
+        if run.checkpoint_every and r.round % run.checkpoint_every == 0:
+            self.save_checkpoint()
+        return entry
+
+    def save_checkpoint(self) -> None:
+        checkpoint.save(self.replica, self.checkpoint_dir, extra={"initial_eval_loss": self.initial_eval})
+
+    # --- the run --------------------------------------------------------------------------------------------------
+    def run(self, sync: Sync) -> dict[str, Any]:
+        r = self.replica
+        try:
+            meta = checkpoint.load(r, self.checkpoint_dir) if self.cfg.run.resume else {}
+            if meta:
+                logger.info("resumed from %s at step %d, round %d", self.checkpoint_dir, r.step, r.round)
+            # θ_0 is the same on every fresh peer (same seed): this is the run's initial loss, measured before any
+            # state is pulled from a swarm; a resumed peer keeps the value from its checkpoint.
+            initial = meta.get("initial_eval_loss")
+            self.initial_eval = float(initial) if initial is not None else r.evaluate_global()
+            self.progress.event("start", mode=sync.mode, step=r.step, round=r.round, eval_loss=round_float(self.initial_eval),
+                                device=str(r.device))
+            sync.start(self)
+            started, start_tokens = time.perf_counter(), r.tokens
+            try:
+                while not self.done():
+                    sync.round(self)
+            finally:
+                self.progress.close()
+                self.save_checkpoint()
+            wall = time.perf_counter() - started
+            sync.finish(self)
+            last = self.history[-1] if self.history else {}
+            final_eval = last["eval_loss"] if last.get("round") == r.round and "eval_loss" in last else r.evaluate_global()
+            summary = {
+                "mode": sync.mode, "task": r.task.name, "initial_eval_loss": round_float(self.initial_eval),
+                "final_eval_loss": round_float(final_eval), "steps": r.step, "rounds": r.round, "tokens": r.tokens,
+                "tokens_per_s": round_float((r.tokens - start_tokens) / wall) if wall > 0 else 0.0, "wall_s": round_float(wall),
+                "compute_s": round_float(self.compute_s), "state_hash": r.state_hash(), "stopped_early": bool(self.stop),
+                "history": self.history, **sync.summary(self),
+            }
+            self.progress.event("done", **{k: v for k, v in summary.items() if k != "history"})
+            return summary
+        finally:
+            sync.close()

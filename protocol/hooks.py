@@ -1,0 +1,28 @@
+"""Points where a test harness may step into a peer's round; production code runs with the no-op `Hooks()`.
+
+The fault injector that kills a peer mid-round or sends a malformed contribution (`protocol.testing.faults`)
+subclasses this. Production modules only ever see this interface, never the injector, so no test behaviour can
+be reached from a real run unless a harness passes one in.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class Hooks:
+    def inner_step(self, round_number: int) -> None:
+        """Before each inner training step."""
+
+    def contribution(self, round_number: int, delta: torch.Tensor, tokens: int) -> tuple[torch.Tensor, int]:
+        """A member's pseudo-gradient and token count, just before they are encoded and sent."""
+        return delta, tokens
+
+    def after_send(self, round_number: int) -> None:
+        """A member has sent its contribution and now waits for the result."""
+
+    def before_commit(self, round_number: int) -> None:
+        """The leader holds the average; nobody has the result yet."""
+
+    def served_state(self, blob: bytes) -> bytes:
+        """The state blob a donor is about to send to a downloader."""
+        return blob

@@ -1,0 +1,312 @@
+"""Group formation: from the peers' DHT records to one closed group of members around one leader.
+
+Seen from a peer that holds θ_r and has spent its round budget:
+1. It is marked ready in its record and reads the records of compatible peers at the same (r, state hash).
+2. It gathers around the peer `pick_leader` names: the ready peer already leading the most members, ties broken by
+   the smallest peer id. Being named leader means collecting: others send a JoinRequest, which is admitted while
+   the group is open and the request matches our run, model, round and state.
+3. A leader closes the group once it has `quorum` peers *and* the grace window has passed (it waits a little for
+   peers whose own records say they are about to be ready). Closing sends every member the final member list and,
+   when the leader runs a TCP data plane, an address and a one-time token for the bulk bytes.
+4. Peers that read records at different moments can form two groups, both below quorum. Every peer orders leaders
+   the same way, so the weaker leader sees the stronger one; after seeing it twice in a row it releases its members
+   (nothing was closed, so nothing can split) and joins it.
+A peer whose view shows a newer agreed state gets `Behind` instead of a group, unless members already joined it.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+from protocol import swarmloco_wire_pb2 as pb
+from protocol.data_plane import DataPlane, connect
+from protocol.exchange import Link
+from protocol.records import PROTOCOL_VERSION, PeerRecord, describe_difference
+from protocol.rounds import Behind, Deadlines, LocalModel, RoundConfig, choose_target, compatible, grace_over, pick_leader
+from protocol.transport import Transport
+from protocol.wire import WireError, close_writer, read_frame, write_frame
+
+logger = logging.getLogger(__name__)
+POLL_S = 0.25  # a leader re-reads the records this often while it waits for members (a join wakes it at once)
+MAX_REFUSAL_CONFIG = 8192  # bytes of a refused peer's config we are willing to parse to name the difference
+
+
+class RoundAborted(RuntimeError):
+    """The round was discarded; nothing was applied. The message says why."""
+
+
+@dataclass
+class Group:
+    """A closed group. `links` are the peers this peer exchanges with: a leader's members, or a member's leader."""
+
+    round: int
+    me: str
+    leader: str
+    members: list[str]  # everyone in the group, leader first
+    links: dict[str, Link]
+    release: asyncio.Future[None] | None = None  # leader: resolved once the exchange is over (join handlers then end)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.me == self.leader
+
+
+def admit(req: pb.JoinRequest, *, run_id: str, model: LocalModel, state_hash: str, collecting_round: int | None,
+          closed: bool, size: int, max_group: int) -> tuple[int, str]:
+    """A leader's answer to a join request, with the reason a refused peer is shown."""
+    if req.protocol_version != PROTOCOL_VERSION:
+        return pb.JoinReply.INCOMPATIBLE, f"protocol version differs: ours {PROTOCOL_VERSION}, yours {req.protocol_version}"
+    if req.run_id != run_id:
+        return pb.JoinReply.INCOMPATIBLE, f"run id differs: ours {run_id!r}, yours {req.run_id!r}"
+    if req.fingerprint != model.fingerprint:
+        try:
+            theirs = json.loads(req.task_config_json) if len(req.task_config_json) < MAX_REFUSAL_CONFIG else {}
+        except json.JSONDecodeError:
+            theirs = {}
+        return pb.JoinReply.INCOMPATIBLE, "model differs: " + describe_difference(model.config, theirs if isinstance(theirs, dict) else {})
+    if collecting_round is None or collecting_round != req.round:
+        return pb.JoinReply.NOT_LEADER, f"not collecting round {req.round}"
+    if closed:
+        return pb.JoinReply.ROUND_CLOSED, f"group for round {req.round} already closed"
+    if req.state_hash != state_hash:
+        return pb.JoinReply.WRONG_STATE, f"state hash differs at round {req.round}: re-sync"
+    if size + 1 >= max_group:
+        return pb.JoinReply.FULL, f"group is full ({max_group})"
+    return pb.JoinReply.ACCEPTED, ""
+
+
+# How long a leader that turned us down is skipped, by its answer.
+_SKIP_S = {pb.JoinReply.INCOMPATIBLE: 3600.0, pb.JoinReply.WRONG_STATE: 5.0}
+_SKIP_UNREACHABLE_S, _SKIP_DROPPED_S, _SKIP_OTHER_S = 10.0, 5.0, 1.0
+
+
+@dataclass
+class _Collecting:
+    """A leader's open group: members that joined, and what their join handlers wait on."""
+
+    round: int
+    members: dict[str, Link] = field(default_factory=dict)
+    closed: bool = False
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    done: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+@dataclass
+class _Attempt:
+    """The state one `form_group` call carries from one look at the records to the next."""
+
+    round: int
+    state_hash: str
+    deadline: float
+    skip: dict[str, float] = field(default_factory=dict)  # leader -> monotonic time until which we do not ask it
+    quorum_at: float | None = None  # when our own group first reached quorum
+    merge_into: str | None = None  # the stronger leader we saw last time, and how many times in a row
+    merge_seen: int = 0
+
+    def confirm_merge(self, leader: str) -> bool:
+        self.merge_seen = self.merge_seen + 1 if leader == self.merge_into else 1
+        self.merge_into = leader
+        return self.merge_seen >= 2
+
+
+class Matchmaker:
+    """Runs on the transport's loop: serves join requests, and forms or finds the group for a round."""
+
+    def __init__(self, transport: Transport, cfg: RoundConfig, model: LocalModel, *, data_plane: DataPlane | None,
+                 dial_data_plane: bool) -> None:
+        self.transport, self.cfg, self.model = transport, cfg, model
+        self.deadlines = Deadlines.of(cfg)
+        self.data_plane, self.dial_data_plane = data_plane, dial_data_plane
+        self.handler_name = f"swarmloco/{transport.run_id}/avg/v{PROTOCOL_VERSION}"
+        self.round, self.state_hash = 0, ""
+        self.refusals: list[str] = []  # why other peers refused us, for the user
+        self._collect: _Collecting | None = None
+
+    async def register(self) -> None:
+        await self.transport.add_handler(self.handler_name, self._handle_join)
+
+    def set_state(self, round_number: int, state_hash: str) -> None:
+        """The global state this peer holds (join requests are admitted against it); call on the loop."""
+        self.round, self.state_hash = round_number, state_hash
+
+    # --- finding or forming a group -------------------------------------------------------------------------------
+    async def form_group(self, round_number: int, state_hash: str) -> Group | Behind:
+        """The closed group for round r, or the newer state to fetch. Raises RoundAborted past round_timeout_s."""
+        self.set_state(round_number, state_hash)
+        attempt = _Attempt(round=round_number, state_hash=state_hash, deadline=time.monotonic() + self.cfg.round_timeout_s)
+        try:
+            while time.monotonic() < attempt.deadline:
+                try:
+                    found = await self.transport.fetch_records(timeout=self.deadlines.control)
+                except (TimeoutError, asyncio.TimeoutError):
+                    logger.info("DHT lookup timed out; retrying")
+                    continue
+                records = compatible(found, self.model.fingerprint)
+                target = choose_target(records, self.transport.peer_id, round_number, state_hash)
+                if target is not None and not (self._collect is not None and self._collect.members):
+                    self._abandon()
+                    return target
+                here = {p: r for p, r in records.items() if r.round == round_number and r.state_hash == state_hash}
+                leader = self._choose_leader(attempt, here)
+                if leader == self.transport.peer_id:
+                    group = await self._lead(attempt, here)
+                    if group is not None:
+                        return group
+                    continue
+                attempt.quorum_at = None
+                joined = await self._try_join(leader, attempt)
+                if isinstance(joined, Group):
+                    return joined
+                attempt.skip[leader] = time.monotonic() + joined
+            raise RoundAborted(f"no group of {self.cfg.quorum} formed for round {round_number} within "
+                               f"{self.cfg.round_timeout_s:.0f}s")
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _choose_leader(self, attempt: _Attempt, here: dict[str, PeerRecord]) -> str:
+        now = time.monotonic()
+        attempt.skip = {p: t for p, t in attempt.skip.items() if t > now}
+        candidates = {p: r for p, r in here.items() if r.ready and p not in attempt.skip}
+        members = len(self._collect.members) if self._collect is not None else 0
+        leader = pick_leader(self.transport.peer_id, members, candidates, self.cfg.quorum)
+        if leader == self.transport.peer_id or not members:
+            attempt.merge_into, attempt.merge_seen = None, 0
+            return leader
+        # A stronger leader while we lead a group below quorum: a split. Merge once it is seen twice in a row, so a
+        # record read mid-update does not dissolve a group.
+        if not attempt.confirm_merge(leader):
+            return self.transport.peer_id
+        logger.info("round %d: merging my %d member(s) into %s's group", attempt.round, members, leader[-8:])
+        self._abandon()
+        return leader
+
+    async def _lead(self, attempt: _Attempt, here: dict[str, PeerRecord]) -> Group | None:
+        """One look as leader: close the group if quorum and grace allow, else wait for a join or the next poll."""
+        collect = self._ensure_collecting(attempt.round)
+        self.transport.update_record(leading=len(collect.members))
+        now = time.monotonic()
+        if 1 + len(collect.members) >= self.cfg.quorum:
+            attempt.quorum_at = attempt.quorum_at or now
+            wall = time.time()
+            etas = [None if r.ready else max(0.0, r.eta - wall) for p, r in here.items() if p not in collect.members]
+            if grace_over(waited=now - attempt.quorum_at, etas=etas, cfg=self.cfg):
+                return await self._close(collect)
+        collect.changed.clear()
+        try:
+            await asyncio.wait_for(collect.changed.wait(), timeout=POLL_S)
+        except asyncio.TimeoutError:
+            pass
+        return None
+
+    def _ensure_collecting(self, round_number: int) -> _Collecting:
+        if self._collect is None or self._collect.round != round_number:
+            self._abandon()
+            self._collect = _Collecting(round=round_number)
+        return self._collect
+
+    def _abandon(self) -> None:
+        """Give up an open group: its members' join streams end, and they look for another leader."""
+        collect, self._collect = self._collect, None
+        if collect is not None and not collect.done.done():
+            collect.done.set_result(None)
+        self.transport.update_record(leading=0)
+
+    async def _close(self, collect: _Collecting) -> Group:
+        collect.closed = True
+        self._collect = None
+        self.transport.update_record(leading=0, ready=False)
+        me = self.transport.peer_id
+        links = dict(collect.members)
+        names = [me, *links]
+
+        async def notify(link: Link) -> bool:
+            message = pb.GroupClosed(round=collect.round, members=names, codec=self.cfg.codec, deadline_s=self.deadlines.transfer)
+            if self.data_plane is not None:
+                link.token, link.offer = self.data_plane.expect()
+                message.data_addrs.extend(self.data_plane.addrs)
+                message.data_token = link.token
+            try:
+                await write_frame(link.writer, message, timeout=self.deadlines.control)
+                return True
+            except WireError as exc:
+                logger.info("member %s unreachable at close: %r", link.peer[-8:], exc)
+                return False
+
+        reached = await asyncio.gather(*(notify(link) for link in links.values()))
+        alive = {p: link for (p, link), ok in zip(links.items(), reached) if ok}
+        return Group(round=collect.round, me=me, leader=me, members=[me, *alive], links=alive, release=collect.done)
+
+    async def _try_join(self, leader: str, attempt: _Attempt) -> Group | float:
+        """Join `leader`'s group; returns the closed group, or for how many seconds to skip this leader."""
+        d = self.deadlines
+        try:
+            reader, writer = await self.transport.open_stream(leader, self.handler_name, timeout=d.control)
+        except Exception as exc:  # noqa: BLE001 - whatever keeps us from a leader means: try another
+            logger.debug("cannot reach leader %s: %r", leader[-8:], exc)
+            return _SKIP_UNREACHABLE_S
+        link = Link(leader, reader, writer)
+        try:
+            request = pb.JoinRequest(protocol_version=PROTOCOL_VERSION, run_id=self.transport.run_id, fingerprint=self.model.fingerprint,
+                                     task_config_json=self.model.config_json, round=attempt.round, state_hash=attempt.state_hash)
+            await write_frame(writer, request, timeout=d.control)
+            reply, _ = await read_frame(reader, pb.JoinReply, max_payload=0, timeout=d.control)
+            if reply.status != pb.JoinReply.ACCEPTED:
+                if reply.status == pb.JoinReply.INCOMPATIBLE and reply.message not in self.refusals:
+                    self.refusals.append(reply.message)
+                    logger.error("peer %s refused us: %s", leader[-8:], reply.message)
+                link.close()
+                return _SKIP_S.get(reply.status, _SKIP_OTHER_S)
+            self.transport.update_record(leading=0)
+            closed, _ = await read_frame(reader, pb.GroupClosed, max_payload=0, timeout=max(1.0, attempt.deadline - time.monotonic()))
+            if closed.round != attempt.round or closed.codec != self.cfg.codec or self.transport.peer_id not in closed.members:
+                link.close()
+                return _SKIP_DROPPED_S
+            self.transport.update_record(ready=False)
+            if self.dial_data_plane and closed.data_addrs and closed.data_token:
+                link.direct = await connect(list(closed.data_addrs)[:8], closed.data_token, timeout=min(3.0, d.control))
+            return Group(round=attempt.round, me=self.transport.peer_id, leader=leader, members=list(closed.members),
+                         links={leader: link})
+        except WireError as exc:
+            logger.info("leader %s dropped us before the group closed: %r", leader[-8:], exc)
+            link.close()
+            return _SKIP_DROPPED_S
+
+    # --- serving join requests ------------------------------------------------------------------------------------
+    async def _handle_join(self, caller: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        d = self.deadlines
+        collect: _Collecting | None = None
+        try:
+            request, _ = await read_frame(reader, pb.JoinRequest, max_payload=0, timeout=d.control)
+            collect = self._collect
+            status, message = admit(request, run_id=self.transport.run_id, model=self.model, state_hash=self.state_hash,
+                                    collecting_round=collect.round if collect is not None else None,
+                                    closed=collect.closed if collect is not None else False,
+                                    size=len(collect.members) if collect is not None else 0, max_group=self.cfg.max_group)
+            accepted = collect is not None and status == pb.JoinReply.ACCEPTED
+            if accepted:
+                # Registered before the reply goes out: a group that closes while the reply is in flight still
+                # counts this member and sends it GroupClosed, instead of leaving it waiting out the round.
+                collect.members[caller] = Link(caller, reader, writer)
+                collect.changed.set()
+            else:
+                collect = None
+            await write_frame(writer, pb.JoinReply(status=status, message=message), timeout=d.control)
+            if collect is None:
+                return
+            await collect.done  # the stream stays open until the exchange is over
+            if collect.closed:
+                # Closing our end resets the libp2p stream and can cut off a result still in flight: wait for the
+                # member to close first (it does once it has read the result), or for the deadline. A group that was
+                # abandoned before closing has nothing in flight: close at once so the member moves on.
+                await asyncio.wait_for(reader.read(1), timeout=d.linger)
+        except (WireError, asyncio.CancelledError, asyncio.TimeoutError, ConnectionError) as exc:
+            logger.debug("join stream from %s ended: %r", caller[-8:], exc)
+            if collect is not None and not collect.closed and collect.members.get(caller) is not None:
+                collect.members.pop(caller, None)  # the reply never got through: not a member after all
+                collect.changed.set()
+        finally:
+            close_writer(writer)

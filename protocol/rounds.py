@@ -1,0 +1,199 @@
+"""The rules of one averaging round, as plain functions on plain data: no sockets, no asyncio, no clocks.
+
+Everything a peer decides about a round lives here, so that every peer decides it the same way and the rules are
+unit-tested without a network:
+- which peers may average together (`compatible`), and whom to gather around (`pick_leader`);
+- which agreed state a peer that is behind must fetch (`choose_target`);
+- how long a leader waits for peers that are about to be ready (`grace_over`);
+- which contributions are admissible (`check_contribution`), how much each weighs (`token_weights`) and their
+  weighted average (`weighted_average`);
+- every deadline of a round, derived from one config (`Deadlines`), and the words for how a round ended (`Outcome`).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from protocol.codecs import get_codec
+from protocol.outcome import Outcome as Outcome  # re-exported: the words for how a round ended sit beside its rules
+from protocol.records import PROTOCOL_VERSION, PeerRecord
+
+MAX_TOKENS = 2**40  # no honest peer trains on a trillion tokens in one round; larger claims are refused
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundConfig:
+    """How groups form and how contributions are merged. Every deadline of a round derives from these numbers."""
+
+    quorum: int = 2
+    grace_min_s: float = 0.5
+    grace_max_s: float = 10.0
+    round_timeout_s: float = 60.0  # a ready peer waits this long for a group before giving the round up
+    exchange_timeout_s: float = 60.0  # moving one contribution, or one result, over the wire
+    control_timeout_s: float = 10.0  # one small control frame (join request and reply, group closed, abort)
+    codec: str = "int8"
+    max_group: int = 64
+    weight_cap_factor: float = 8.0  # a member's token weight is capped at this × the leader's own
+    stale_discount: float = 0.5  # weight × discount**staleness for a Δ computed from an older θ
+    max_staleness: int = 2
+
+    def __post_init__(self) -> None:
+        checks = [
+            (1 <= self.quorum <= 10_000, "quorum", self.quorum, "1 .. 10000"),
+            (0 <= self.grace_min_s <= self.grace_max_s <= 3600, "grace", (self.grace_min_s, self.grace_max_s),
+             "0 <= grace_min_s <= grace_max_s <= 3600"),
+            (1 <= self.round_timeout_s <= 86400, "round_timeout_s", self.round_timeout_s, "1 .. 86400"),
+            (1 <= self.exchange_timeout_s <= 3600, "exchange_timeout_s", self.exchange_timeout_s, "1 .. 3600"),
+            (0.5 <= self.control_timeout_s <= 600, "control_timeout_s", self.control_timeout_s, "0.5 .. 600"),
+            (2 <= self.max_group <= 10_000, "max_group", self.max_group, "2 .. 10000"),
+            (1 <= self.weight_cap_factor <= 1e6, "weight_cap_factor", self.weight_cap_factor, "1 .. 1e6"),
+            (0 < self.stale_discount <= 1, "stale_discount", self.stale_discount, "0 < discount <= 1"),
+            (0 <= self.max_staleness <= 100, "max_staleness", self.max_staleness, "0 .. 100"),
+        ]
+        for ok, name, value, allowed in checks:
+            if not ok:
+                raise ValueError(f"{name}: got {value!r}, allowed {allowed}")
+        get_codec(self.codec)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalModel:
+    """What the protocol knows about the model: its fingerprint, its config (to name differences) and flat size."""
+
+    fingerprint: str
+    config: dict[str, Any]
+    numel: int
+
+    @property
+    def config_json(self) -> str:
+        return json.dumps(self.config, sort_keys=True, default=str)
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Every wait of one round, in seconds, from one RoundConfig (no other literal timeouts in the protocol)."""
+
+    control: float  # one control frame
+    transfer: float  # one contribution or one result on the wire
+    collect: float  # leader: all contributions in (they arrive in parallel)
+    result: float  # member: from its contribution sent to the result received (the leader collects, then sends)
+    linger: float  # leader: how long a member's stream stays open after the result, for it to be read
+    exchange: float  # the whole exchange as the training thread waits for it: contribution, result, slack
+
+    @classmethod
+    def of(cls, cfg: RoundConfig) -> Deadlines:
+        transfer = cfg.exchange_timeout_s
+        result = 2 * transfer
+        return cls(control=cfg.control_timeout_s, transfer=transfer, collect=transfer, result=result, linger=transfer,
+                   exchange=transfer + result + 2 * cfg.control_timeout_s)
+
+
+@dataclass(frozen=True)
+class Behind:
+    """The swarm holds a newer (or, at the same round, a majority) state: fetch it from these donors."""
+
+    round: int
+    state_hash: str
+    donors: list[str]
+
+
+def compatible(records: Mapping[str, PeerRecord], fingerprint: str) -> dict[str, PeerRecord]:
+    """The records of peers that speak our protocol version and train our model (the only ones we average with)."""
+    return {p: r for p, r in records.items() if r.version == PROTOCOL_VERSION and r.fingerprint == fingerprint}
+
+
+def pick_leader(me: str, my_members: int, candidates: Mapping[str, PeerRecord], quorum: int) -> str:
+    """Whom to gather around for this round: the ready peer leading the most members (ties: smallest peer id).
+
+    `my_members` is how many joined us (0 when we are not leading). Every peer orders leaders the same way, so
+    splits heal: a leader whose group is smaller than another's, and below quorum, gets the other's id back and
+    merges into it. A leader whose group has reached quorum keeps it (it is about to close).
+    """
+    if my_members and 1 + my_members >= quorum:
+        return me
+    best = (-my_members, me)
+    for peer, rec in candidates.items():
+        best = min(best, (-rec.leading, peer))
+    return best[1]
+
+
+def choose_target(records: Mapping[str, PeerRecord], me: str, round_number: int, state_hash: str) -> Behind | None:
+    """The agreed state to re-sync to, if ours is not it: the highest round; at that round, the hash held by most
+    peers (ties: smallest hash, so every peer picks the same). None when our state is (one of) the newest."""
+    if not records:
+        return None
+    top = max(r.round for r in records.values())
+    if top < round_number:
+        return None
+    counts: dict[str, int] = {}
+    for rec in records.values():
+        if rec.round == top:
+            counts[rec.state_hash] = counts.get(rec.state_hash, 0) + 1
+    if top == round_number:
+        counts[state_hash] = counts.get(state_hash, 0) + 1
+    best_hash = min(counts, key=lambda h: (-counts[h], h))
+    if top == round_number and best_hash == state_hash:
+        return None
+    donors = [p for p, r in records.items() if r.round == top and r.state_hash == best_hash and p != me]
+    return Behind(round=top, state_hash=best_hash, donors=donors) if donors else None
+
+
+def group_forming(records: Mapping[str, PeerRecord], round_number: int, state_hash: str) -> bool:
+    """Whether some peer at our (round, state) is ready to average: a group for our round is about to close."""
+    return any(r.round == round_number and r.state_hash == state_hash and (r.ready or r.leading) for r in records.values())
+
+
+def grace_over(*, waited: float, etas: Sequence[float | None], cfg: RoundConfig) -> bool:
+    """Whether a leader that reached quorum `waited` seconds ago stops waiting for more members.
+
+    `etas` holds, for every compatible peer at our round that has not joined yet, how many seconds from now it
+    expects to be ready (None: it is ready already). The leader waits for peers expected before the window ends, and
+    at least `grace_min_s` when nobody is expected; it never waits past `grace_max_s`.
+    """
+    if waited >= cfg.grace_max_s:
+        return True
+    expected = [e for e in etas if e is None or e <= cfg.grace_max_s - waited]
+    return not expected and waited >= cfg.grace_min_s
+
+
+def check_contribution(*, codec: str, numel: int, tokens: int, staleness: int, expect_codec: str, expect_numel: int,
+                       max_staleness: int) -> str:
+    """Why a contribution's header is refused ("" when it is admissible); checked before its tensor is decoded."""
+    if codec != expect_codec:
+        return f"codec {codec!r}, round uses {expect_codec!r}"
+    if numel != expect_numel:
+        return f"{numel} elements, model has {expect_numel}"
+    if not 0 < tokens <= MAX_TOKENS:
+        return f"token weight {tokens} outside 1 .. {MAX_TOKENS}"
+    if staleness > max_staleness:
+        return f"staleness {staleness} > {max_staleness}"
+    return ""
+
+
+def token_weights(claims: Mapping[str, tuple[int, int]], *, leader: str, cfg: RoundConfig) -> dict[str, float]:
+    """Merge weight per contributor from its (claimed tokens, staleness): claims are capped at `weight_cap_factor`
+    × the leader's own count (a stranger's claim is bounded by work we measured ourselves) and discounted by
+    `stale_discount` per round of staleness. The leader's own weight is at least 1, so the total is never zero."""
+    cap = cfg.weight_cap_factor * max(claims[leader][0], 1)
+    weights = {}
+    for peer in sorted(claims):
+        tokens, stale = claims[peer]
+        tokens = max(tokens, 1) if peer == leader else tokens
+        weights[peer] = min(tokens, cap) * cfg.stale_discount**stale
+    return weights
+
+
+def weighted_average(tensors: Mapping[str, torch.Tensor], weights: Mapping[str, float]) -> torch.Tensor:
+    """Σ w_i x_i / Σ w_i over peers in sorted order (the same float operations everywhere), one pass per tensor."""
+    peers = sorted(tensors)
+    total = sum(weights[p] for p in peers)
+    if not peers or total <= 0:
+        raise ValueError("weighted_average needs at least one contribution with a positive weight")
+    acc = torch.mul(tensors[peers[0]], weights[peers[0]] / total)
+    for peer in peers[1:]:
+        acc.add_(tensors[peer], alpha=weights[peer] / total)
+    return acc

@@ -1,0 +1,140 @@
+"""The pure rules of a round: leader and target choice, the grace window, contribution checks, weights, deadlines."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from protocol import swarmloco_wire_pb2 as pb
+from protocol.matchmaking import admit
+from protocol.records import PROTOCOL_VERSION, PeerRecord
+from protocol.rounds import (
+    MAX_TOKENS,
+    Deadlines,
+    LocalModel,
+    RoundConfig,
+    check_contribution,
+    choose_target,
+    compatible,
+    grace_over,
+    group_forming,
+    pick_leader,
+    token_weights,
+    weighted_average,
+)
+
+H1, H2 = "1" * 64, "2" * 64
+
+
+def _rec(**changes: object) -> PeerRecord:
+    base = dict(version=PROTOCOL_VERSION, fingerprint="fp", config_json='{"d_model": 128}', round=3, state_hash=H1, ready=False,
+                leading=0, eta=0.0, updated=1.0)
+    base.update(changes)
+    return PeerRecord(**base)  # type: ignore[arg-type]
+
+
+def test_choose_target_prefers_highest_round_then_majority_hash() -> None:
+    me = "me"
+    assert choose_target({}, me, 3, H1) is None
+    assert choose_target({"a": _rec(round=3, state_hash=H1)}, me, 3, H1) is None
+    behind = choose_target({"a": _rec(round=5, state_hash=H2), "b": _rec(round=4)}, me, 3, H1)
+    assert behind is not None and (behind.round, behind.state_hash, behind.donors) == (5, H2, ["a"])
+    # same round, we are the minority hash: re-sync to the majority
+    split = choose_target({"a": _rec(state_hash=H2), "b": _rec(state_hash=H2)}, me, 3, H1)
+    assert split is not None and split.state_hash == H2 and sorted(split.donors) == ["a", "b"]
+    # tie at the same round: every peer picks the smallest hash, so exactly one side re-syncs
+    assert choose_target({"a": _rec(state_hash=H2)}, me, 3, H1) is None
+    tie = choose_target({"a": _rec(state_hash=H1)}, me, 3, H2)
+    assert tie is not None and tie.state_hash == H1
+
+
+def test_pick_leader_orders_leaders_the_same_everywhere() -> None:
+    ready = {"b": _rec(ready=True), "c": _rec(ready=True)}
+    assert pick_leader("a", 0, ready, quorum=4) == "a"  # nobody leads yet: smallest id
+    assert pick_leader("d", 0, ready, quorum=4) == "b"
+    assert pick_leader("a", 0, {"c": _rec(ready=True, leading=1)}, quorum=4) == "c"  # most members wins over id
+    # a split: we lead 1 member, "b" leads 1 with a smaller id -> we merge into "b"; "b" sees us and stays
+    assert pick_leader("c", 1, {"b": _rec(ready=True, leading=1)}, quorum=4) == "b"
+    assert pick_leader("b", 1, {"c": _rec(ready=True, leading=1)}, quorum=4) == "b"
+    assert pick_leader("a", 1, {"c": _rec(ready=True, leading=2)}, quorum=4) == "c"  # the bigger group wins
+    assert pick_leader("c", 2, {"a": _rec(ready=True, leading=1)}, quorum=4) == "c"
+    # a group that has reached quorum is about to close: it never merges away
+    assert pick_leader("c", 1, {"b": _rec(ready=True, leading=3)}, quorum=2) == "c"
+
+
+def test_compatible_and_group_forming() -> None:
+    records = {"a": _rec(), "b": _rec(fingerprint="other"), "c": _rec(version=PROTOCOL_VERSION + 1)}
+    assert list(compatible(records, "fp")) == ["a"]
+    assert not group_forming({"a": _rec()}, 3, H1)
+    assert group_forming({"a": _rec(ready=True)}, 3, H1) and group_forming({"a": _rec(leading=1)}, 3, H1)
+    assert not group_forming({"a": _rec(ready=True)}, 4, H1) and not group_forming({"a": _rec(ready=True)}, 3, H2)
+
+
+def test_grace_window_waits_for_expected_peers_within_bounds() -> None:
+    cfg = RoundConfig(grace_min_s=0.5, grace_max_s=10)
+    assert not grace_over(waited=0.1, etas=[], cfg=cfg)  # nobody expected, but the minimum is not over
+    assert grace_over(waited=0.6, etas=[], cfg=cfg)
+    assert not grace_over(waited=0.6, etas=[None], cfg=cfg)  # a ready peer that has not joined yet
+    assert not grace_over(waited=2.0, etas=[5.0], cfg=cfg)  # expected before the window ends
+    assert grace_over(waited=2.0, etas=[9.0], cfg=cfg)  # expected after the window: do not wait
+    assert grace_over(waited=10.0, etas=[None, 0.0], cfg=cfg)  # never past grace_max
+
+
+def test_contribution_checks_name_the_problem() -> None:
+    ok = dict(codec="int8", numel=10, tokens=5, staleness=0, expect_codec="int8", expect_numel=10, max_staleness=2)
+    assert check_contribution(**ok) == ""
+    assert "codec 'fp32'" in check_contribution(**{**ok, "codec": "fp32"})
+    assert "9 elements, model has 10" in check_contribution(**{**ok, "numel": 9})
+    assert "token weight 0" in check_contribution(**{**ok, "tokens": 0})
+    assert "outside" in check_contribution(**{**ok, "tokens": MAX_TOKENS + 1})
+    assert "staleness 3 > 2" in check_contribution(**{**ok, "staleness": 3})
+
+
+def test_token_weights_cap_and_discount() -> None:
+    cfg = RoundConfig(weight_cap_factor=8, stale_discount=0.5)
+    weights = token_weights({"lead": (100, 0), "greedy": (10**12, 0), "stale": (100, 2), "small": (30, 0)}, leader="lead", cfg=cfg)
+    assert weights == {"greedy": 800.0, "lead": 100.0, "small": 30.0, "stale": 25.0}
+    assert token_weights({"lead": (0, 0)}, leader="lead", cfg=cfg) == {"lead": 1.0}  # never a zero total
+
+
+def test_weighted_average_is_exact_and_order_independent() -> None:
+    a, b = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 6.0])
+    avg = weighted_average({"b": b, "a": a}, {"a": 1.0, "b": 3.0})
+    assert torch.allclose(avg, torch.tensor([2.5, 5.0]))
+    assert torch.equal(weighted_average({"a": a, "b": b}, {"a": 1.0, "b": 3.0}), avg)
+    assert torch.equal(a, torch.tensor([1.0, 2.0]))  # inputs untouched
+    with pytest.raises(ValueError):
+        weighted_average({}, {})
+
+
+def test_deadlines_derive_from_one_config() -> None:
+    d = Deadlines.of(RoundConfig(exchange_timeout_s=20, control_timeout_s=4))
+    assert (d.control, d.transfer, d.collect, d.result) == (4, 20, 20, 40)
+    assert d.exchange > d.transfer + d.result  # the training thread outwaits the wire
+
+
+def test_round_config_validation_names_values() -> None:
+    with pytest.raises(ValueError, match="quorum: got 0"):
+        RoundConfig(quorum=0)
+    with pytest.raises(ValueError, match="allowed fp32, fp16, bf16, int8, int4"):
+        RoundConfig(codec="gzip")
+    with pytest.raises(ValueError, match="control_timeout_s: got 0.1"):
+        RoundConfig(control_timeout_s=0.1)
+
+
+def test_admission_refuses_incompatible_or_wrong_state_joins() -> None:
+    model = LocalModel(fingerprint="fp", config={"d_model": 128}, numel=10)
+    kw = dict(run_id="r", model=model, state_hash=H1, collecting_round=3, closed=False, size=0, max_group=4)
+    req = pb.JoinRequest(protocol_version=PROTOCOL_VERSION, run_id="r", fingerprint="fp", round=3, state_hash=H1)
+    assert admit(req, **kw) == (pb.JoinReply.ACCEPTED, "")
+    assert admit(req, **{**kw, "collecting_round": None})[0] == pb.JoinReply.NOT_LEADER
+    assert admit(req, **{**kw, "collecting_round": 2})[0] == pb.JoinReply.NOT_LEADER
+    assert admit(req, **{**kw, "closed": True})[0] == pb.JoinReply.ROUND_CLOSED
+    assert admit(req, **{**kw, "size": 3})[0] == pb.JoinReply.FULL
+    assert admit(req, **{**kw, "state_hash": H2})[0] == pb.JoinReply.WRONG_STATE
+    status, msg = admit(pb.JoinRequest(protocol_version=PROTOCOL_VERSION + 1, run_id="r", fingerprint="fp"), **kw)
+    assert status == pb.JoinReply.INCOMPATIBLE and "protocol version differs" in msg
+    status, msg = admit(pb.JoinRequest(protocol_version=PROTOCOL_VERSION, run_id="r", fingerprint="zz",
+                                       task_config_json='{"d_model": 256}'), **kw)
+    assert status == pb.JoinReply.INCOMPATIBLE and "d_model: ours 128 vs theirs 256" in msg
+    status, msg = admit(pb.JoinRequest(protocol_version=PROTOCOL_VERSION, run_id="other", fingerprint="fp"), **kw)
+    assert status == pb.JoinReply.INCOMPATIBLE and "run id differs" in msg
