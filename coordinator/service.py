@@ -176,7 +176,8 @@ class _StoreCollector:
         tokens.add_metric([], store.tokens_total())
         yield tokens
         counts, total, seconds = store.round_duration_histogram(DURATION_BUCKETS)
-        buckets = [(repr(float(edge)), n) for edge, n in zip(DURATION_BUCKETS, counts)] + [("+Inf", total)]
+        buckets = [(repr(float(edge)), n) for edge, n in zip(DURATION_BUCKETS, counts, strict=True)]
+        buckets.append(("+Inf", total))
         hist = HistogramMetricFamily("swarmloco_round_duration_seconds",
                                      "Per-peer round duration (train + wait + average)")
         hist.add_metric([], buckets, sum_value=seconds)

@@ -93,10 +93,6 @@ def save(replica: Replica, directory: str | Path, *, extra: dict[str, Any] | Non
     return directory / file_name
 
 
-def exists(directory: str | Path) -> bool:
-    return (Path(directory) / SIDECAR).is_file()
-
-
 def load(replica: Replica, directory: str | Path) -> dict[str, Any]:
     """Restore everything `save` wrote into `replica`; returns the sidecar. Raises CheckpointError."""
     directory = Path(directory)
@@ -115,7 +111,9 @@ def load(replica: Replica, directory: str | Path) -> dict[str, Any]:
     if _sha256(file_path) != meta.get("file_sha256"):
         raise CheckpointError(f"checkpoint {file_path} does not match its recorded sha256; it is corrupt")
     if meta.get("task_config") != dict(replica.task.config):
-        raise CheckpointError(f"checkpoint was written for task config {meta.get('task_config')}, not {dict(replica.task.config)}")
+        raise CheckpointError(
+            f"checkpoint was written for task config {meta.get('task_config')}, not {dict(replica.task.config)}"
+        )
     tensors = load_file(str(file_path))
     try:
         params = {n: tensors[f"global/{n}"] for n in replica.names}
@@ -125,7 +123,9 @@ def load(replica: Replica, directory: str | Path) -> dict[str, Any]:
             for name, p in replica.model.named_parameters():
                 src = tensors[f"local/{name}"]
                 if src.shape != p.shape:
-                    raise CheckpointError(f"checkpoint tensor local/{name} has shape {tuple(src.shape)}, model expects {tuple(p.shape)}")
+                    raise CheckpointError(
+                        f"checkpoint tensor local/{name} has shape {tuple(src.shape)}, model expects {tuple(p.shape)}"
+                    )
                 p.copy_(src)
         params_list = list(replica.model.parameters())
         state: dict[int, dict[str, torch.Tensor]] = {}

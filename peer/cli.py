@@ -1,4 +1,8 @@
-"""`swarmloco peer`: run one peer (solo, or in a swarm) from flags, a TOML file and SWARMLOCO_* env vars."""
+"""`swarmloco peer`: run one peer (solo, or in a swarm) from flags, a TOML file and SWARMLOCO_* env vars.
+
+The order of startup: build the config (no I/O), resolve what depends on where the peer runs (bootstrap ready file,
+compose replica shard), build the replica, then hand over to the solo or swarm runner.
+"""
 from __future__ import annotations
 
 import argparse
@@ -8,9 +12,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from peer import bootstrap
 from peer import config as config_mod
-from peer import swarm_config  # noqa: F401  (registers the [network] and [round] sections)
 from peer.checkpoint import CheckpointError
+from peer.config import ConfigError, PeerConfig
 from peer.data import ShardSpec
 from peer.replica import Replica
 from peer.signals import StopFlag
@@ -24,25 +29,27 @@ def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
     config_mod.add_arguments(parser)
 
 
-def build_replica(cfg: dict[str, Any], *, data_seed: int = 0) -> Replica:
-    run, train = cfg["run"], cfg["train"]
+def build_replica(cfg: PeerConfig, *, data_seed: int = 0) -> Replica:
+    run, train = cfg.run, cfg.train
+    if run.shard_index is None:
+        raise ConfigError("shard_index: still 'auto'; resolve the config with peer.bootstrap.resolve first")
     ctx = TaskContext(
         shard=ShardSpec(index=run.shard_index, count=run.num_shards),
-        seed=cfg["runtime"].seed,
+        seed=cfg.runtime.seed,
         data_seed=data_seed,
         preset=run.preset,
         batch_size=train.batch_size or None,
     )
     task = load_task(run.task, ctx)
-    return Replica(task, train, cfg["outer"], cfg["runtime"])
+    return Replica(task, train, cfg.outer, cfg.runtime)
 
 
-def identity_path(cfg: dict[str, Any]) -> str:
+def identity_path(cfg: PeerConfig) -> str:
     """The peer's identity file: --identity, or WORKDIR/identity.key (created on first use, so ids are stable)."""
-    return cfg["network"].identity or str(Path(cfg["run"].workdir) / "identity.key")
+    return cfg.network.identity or str(Path(cfg.run.workdir) / "identity.key")
 
 
-def swarm_data_seed(cfg: dict[str, Any]) -> int:
+def swarm_data_seed(cfg: PeerConfig) -> int:
     """Per-peer data order, derived from the stable peer id: peers that share a shard still see different batches."""
     from protocol.identity import load_or_create_identity
 
@@ -64,8 +71,8 @@ def write_summary(path: str | None, summary: dict[str, Any]) -> None:
 
 def run_peer(args: argparse.Namespace) -> int:
     try:
-        cfg = config_mod.build_config(args)
-        run = cfg["run"]
+        cfg = bootstrap.resolve(config_mod.build_config(args))
+        run = cfg.run
         replica = build_replica(cfg, data_seed=0 if run.solo else swarm_data_seed(cfg))
         stop = StopFlag().install()
         if run.solo:
@@ -82,6 +89,6 @@ def run_peer(args: argparse.Namespace) -> int:
                 return 3
         write_summary(run.summary_json, summary)
         return 0
-    except (config_mod.ConfigError, CheckpointError, FileNotFoundError, IdentityError) as exc:
+    except (ConfigError, CheckpointError, FileNotFoundError, IdentityError) as exc:
         logger.error("%s", exc)
         return 2

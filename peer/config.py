@@ -1,28 +1,38 @@
-"""Peer configuration: small keyword-only dataclasses, filled from defaults < TOML file < SWARMLOCO_* env < flags.
+"""Peer configuration: one typed tree (`PeerConfig`) of small frozen dataclasses, filled from
+defaults < TOML file < SWARMLOCO_* env < flags by `build_config`.
 
-One table (`OPTIONS`) names every setting once: its flag, its TOML section/key, its env var and its help, so the
-three sources cannot drift apart. Validation lives in each dataclass's `__post_init__`; a bad value becomes a
-one-line `ConfigError` naming the field, the value and what is allowed.
+Which flag, TOML key and env var feed which field is the static table in peer/options.py. Validation lives in each
+dataclass's `__post_init__`; a bad value becomes a one-line `ConfigError` naming the setting, the value and what is
+allowed. Nothing here touches the network or waits: startup decisions that do (the bootstrap ready file, the shard
+of a compose replica) are made afterwards by peer/bootstrap.py.
 """
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import tomllib
 import types
 import typing
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from peer.model import PRESETS
+from peer.options import CONFIG_ENV, ENV_PREFIX, OPTIONS, OTHER_ENV, Option
 from peer.outer import OuterConfig
-
-ENV_PREFIX = "SWARMLOCO_"
+from protocol.node import NetworkConfig
+from protocol.rounds import MAX_TOKENS, RoundConfig
 
 
 class ConfigError(ValueError):
     """A user-facing configuration problem; its message is one actionable line."""
+
+
+def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}: got {value!r}, allowed {allowed}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +64,8 @@ class TrainConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RuntimeConfig:
+    """The local machine: which device, how many CPU threads, and the seed every peer of a swarm shares."""
+
     device: str = "auto"
     threads: int = 0  # 0 = leave torch's default
     seed: int = 0
@@ -73,7 +85,7 @@ class RunConfig:
     solo: bool = False
     max_steps: int = 0  # 0 = unbounded
     max_rounds: int = 0  # 0 = unbounded
-    shard_index: int = 0
+    shard_index: int | None = 0  # None ("auto"): chosen at startup from the compose replica number (peer/bootstrap.py)
     num_shards: int = 1
     workdir: str = "runs/peer"
     resume: bool = False
@@ -92,7 +104,8 @@ class RunConfig:
         _check(self.max_steps >= 0, "max_steps", self.max_steps, ">= 0 (0 = unbounded)")
         _check(self.max_rounds >= 0, "max_rounds", self.max_rounds, ">= 0 (0 = unbounded)")
         _check(self.num_shards >= 1, "num_shards", self.num_shards, ">= 1")
-        _check(0 <= self.shard_index < self.num_shards, "shard_index", self.shard_index, f"0 .. {self.num_shards - 1}")
+        _check(self.shard_index is None or 0 <= self.shard_index < self.num_shards, "shard_index", self.shard_index,
+               f"0 .. {self.num_shards - 1} or auto")
         _check(self.checkpoint_every >= 0, "checkpoint_every", self.checkpoint_every, ">= 0 (0 = only at exit)")
         _check(self.eval_every >= 1, "eval_every", self.eval_every, ">= 1")
         _check(self.log_format in ("text", "json"), "log_format", self.log_format, "text, json")
@@ -103,71 +116,55 @@ class RunConfig:
                self.coordinator, "an http:// or https:// URL")
 
 
-def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"{name}: got {value!r}, allowed {allowed}")
+@dataclass(frozen=True, kw_only=True)
+class BudgetConfig:
+    """When a peer's round of local training is over."""
+
+    round_tokens: int = 0  # budget per round in tokens (0 = use train.inner_steps)
+    round_seconds: float = 0.0  # budget per round in seconds (0 = use train.inner_steps)
+    # End the round's local training early to join a group already forming for our round: a slow peer then
+    # contributes fewer tokens instead of missing the round.
+    close_early: bool = True
+
+    def __post_init__(self) -> None:
+        # the same bound the round code puts on a contribution's token claim, so a budget never exceeds it
+        _check(0 <= self.round_tokens <= MAX_TOKENS, "round_tokens", self.round_tokens, f"0 .. {MAX_TOKENS}")
+        _check(0 <= self.round_seconds <= 86400, "round_seconds", self.round_seconds, "0 .. 86400")
 
 
-@dataclass(frozen=True)
-class Option:
-    flag: str
-    section: str
-    field: str
-    help: str
-    repeat: bool = False  # list-valued: the flag may repeat; the env var is comma-separated
+@dataclass(frozen=True, kw_only=True)
+class BootstrapConfig:
+    """Where a peer finds its first contact when no --initial-peer is given: the ready file a coordinator writes."""
 
-    @property
-    def env(self) -> str:
-        return ENV_PREFIX + self.flag.lstrip("-").replace("-", "_").upper()
+    file: str | None = None  # the coordinator's --ready-file (JSON with dht_peer_id and dht_maddrs)
+    wait_s: float = 300.0  # the coordinator may still be starting: wait this long for the file to name its DHT node
+    host: str | None = None  # dial /dns4/HOST/tcp/PORT/p2p/ID; None: the multiaddrs written in the file
+    port: int = 31337
 
-    @property
-    def dest(self) -> str:
-        return f"{self.section}__{self.field}"
-
-
-SECTIONS: dict[str, type] = {"run": RunConfig, "train": TrainConfig, "outer": OuterConfig, "runtime": RuntimeConfig}
-
-OPTIONS: list[Option] = [
-    Option("--preset", "run", "preset", f"model size of the default task: {', '.join(PRESETS)}"),
-    Option("--task", "run", "task", "custom task as 'package.module:factory' (see README)"),
-    Option("--solo", "run", "solo", "train alone, without any network (M=1 DiLoCo)"),
-    Option("--max-steps", "run", "max_steps", "stop after this many inner steps (0 = no limit)"),
-    Option("--max-rounds", "run", "max_rounds", "stop after this many outer rounds (0 = no limit)"),
-    Option("--shard-index", "run", "shard_index", "which data shard this peer reads"),
-    Option("--num-shards", "run", "num_shards", "how many disjoint data shards the corpus is split into"),
-    Option("--workdir", "run", "workdir", "directory for checkpoints and logs"),
-    Option("--resume", "run", "resume", "continue from the checkpoint in --workdir"),
-    Option("--checkpoint-every", "run", "checkpoint_every", "write a checkpoint every N rounds (0 = at exit only)"),
-    Option("--eval-every", "run", "eval_every", "evaluate the global model every N rounds"),
-    Option("--summary-json", "run", "summary_json", "write a JSON summary of the run to this path at the end"),
-    Option("--log-format", "run", "log_format", "progress output: text (live bar) or json (one object per line)"),
-    Option("--slowdown", "run", "slowdown", "artificial slowdown factor (>=1) to emulate slower hardware"),
-    Option("--linger", "run", "linger_s", "swarm: seconds to keep serving state after the last round"),
-    Option("--coordinator", "run", "coordinator", "coordinator URL to report progress to (optional)"),
-    Option("--wait-for-peers", "run", "wait_for_peers", "swarm: start training only once this many peers (us included) are up"),
-    Option("--train-while-waiting", "run", "train_while_waiting", "swarm: keep training while the group forms (default on)"),
-    Option("--inner-lr", "train", "lr", "inner AdamW learning rate"),
-    Option("--weight-decay", "train", "weight_decay", "inner AdamW weight decay"),
-    Option("--beta1", "train", "beta1", "inner AdamW beta1"),
-    Option("--beta2", "train", "beta2", "inner AdamW beta2"),
-    Option("--warmup-steps", "train", "warmup_steps", "linear learning-rate warm-up, in global inner steps"),
-    Option("--decay-steps", "train", "decay_steps", "cosine decay length in global inner steps (0 = constant)"),
-    Option("--min-lr-ratio", "train", "min_lr_ratio", "final learning rate as a fraction of the peak"),
-    Option("--grad-clip", "train", "grad_clip", "gradient norm clipping (0 disables)"),
-    Option("--batch-size", "train", "batch_size", "sequences per inner step (0 = the task's default)"),
-    Option("--inner-steps", "train", "inner_steps", "H: inner steps per round (when no token/second budget is set)"),
-    Option("--outer-lr", "outer", "lr", "outer Nesterov learning rate"),
-    Option("--outer-momentum", "outer", "momentum", "outer Nesterov momentum"),
-    Option("--device", "runtime", "device", "auto (CUDA if available), cpu, cuda or cuda:N"),
-    Option("--threads", "runtime", "threads", "torch CPU threads (0 = torch's default)"),
-    Option("--seed", "runtime", "seed", "seed for model init and data order (must match across the swarm)"),
-]
+    def __post_init__(self) -> None:
+        _check(0 <= self.wait_s <= 86400, "bootstrap_wait", self.wait_s, "0 .. 86400 seconds")
+        _check(1 <= self.port <= 65535, "bootstrap_port", self.port, "1 .. 65535")
+        ok = self.host is None or (0 < len(self.host) <= 253 and all(c.isalnum() or c in "-._:" for c in self.host))
+        _check(ok, "bootstrap_host", self.host, "a host name or an IP address")
 
 
-def register_section(name: str, cls: type, options: list[Option]) -> None:
-    """Lets other peer modules (the swarm) add their own dataclass and flags to the same loader."""
-    SECTIONS[name] = cls
-    OPTIONS.extend(options)
+@dataclass(frozen=True, kw_only=True)
+class PeerConfig:
+    """Everything one `swarmloco peer` process is configured with; each field is one TOML section."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    round: RoundConfig = field(default_factory=RoundConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
+
+
+# section name -> its dataclass, in PeerConfig's order (the TOML sections and the order of --help)
+SECTIONS: dict[str, type] = {name: cls for name, cls in typing.get_type_hints(PeerConfig).items()}
+_BY_FIELD: dict[tuple[str, str], Option] = {(o.section, o.field): o for o in OPTIONS}
 
 
 def _field_type(cls: type, name: str) -> Any:
@@ -185,15 +182,16 @@ def _base_type(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def _coerce(value: Any, tp: Any, name: str) -> Any:
+def _coerce(value: Any, tp: Any, name: str, *, auto: bool = False) -> Any:
     base, is_list = _base_type(tp)
     if is_list:
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)):
             raise ConfigError(f"{name}: got {value!r}, allowed a list of {base.__name__}")
         return tuple(_coerce(v, base, name) for v in items if v != "")
-    if value is None:
+    if value is None or auto and isinstance(value, str) and value.strip().lower() == "auto":
         return None
+    allowed = f"a value of type {base.__name__}" + (" or auto" if auto else "")
     try:
         if base is bool:
             if isinstance(value, bool):
@@ -201,31 +199,38 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
             lowered = str(value).strip().lower()
             if lowered in ("1", "true", "yes", "on"):
                 return True
-            if lowered in ("0", "false", "no", "off", ""):
+            if lowered in ("0", "false", "no", "off"):
                 return False
             raise ValueError
-        if base is int and isinstance(value, float) or isinstance(value, bool) and base is not bool:
+        # TOML gives real numbers and booleans: refuse 2.5 for an int and `true` for a number instead of truncating
+        if base is int and isinstance(value, float) or isinstance(value, bool):
             raise ValueError
         return base(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{name}: got {value!r}, allowed a value of type {base.__name__}") from None
+        raise ConfigError(f"{name}: got {value!r}, allowed {allowed}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="PATH", help="TOML file with [run], [train], [outer], [runtime], ... sections")
+    """One flag per row of the option table; each help line names the env var, so --help documents both."""
+    parser.add_argument("--config", metavar="PATH",
+                        help=f"TOML file with [{'], ['.join(SECTIONS)}] sections [env {CONFIG_ENV}]")
+    groups = {name: parser.add_argument_group(f"[{name}]") for name in SECTIONS}
     for opt in OPTIONS:
-        tp = _field_type(SECTIONS[opt.section], opt.field)
-        base, _ = _base_type(tp)
+        base, _ = _base_type(_field_type(SECTIONS[opt.section], opt.field))
         help_text = f"{opt.help} [env {opt.env}]"
+        group = groups[opt.section]
         if base is bool:
-            parser.add_argument(opt.flag, dest=opt.dest, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            group.add_argument(opt.flag, dest=opt.dest, action=argparse.BooleanOptionalAction, default=None,
+                               help=help_text)
         elif opt.repeat:
-            parser.add_argument(opt.flag, dest=opt.dest, action="append", default=None, metavar="VALUE", help=help_text)
+            group.add_argument(opt.flag, dest=opt.dest, action="append", default=None, metavar="VALUE", help=help_text)
         else:
-            parser.add_argument(opt.flag, dest=opt.dest, default=None, metavar=opt.field.upper(), help=help_text)
+            metavar = "N|auto" if opt.auto else opt.field.upper()
+            group.add_argument(opt.flag, dest=opt.dest, default=None, metavar=metavar, help=help_text)
 
 
 def load_toml(path: str) -> dict[str, dict[str, Any]]:
+    """The file's sections, with every section and key checked against the dataclasses (a typo is an error)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config: file not found: {p.resolve()}")
@@ -243,29 +248,51 @@ def load_toml(path: str) -> dict[str, dict[str, Any]]:
     return raw
 
 
-def build_config(args: argparse.Namespace | None = None, env: typing.Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Merge all sources and return {section: dataclass instance}. Raises ConfigError."""
-    env = os.environ if env is None else env
+def _set_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The SWARMLOCO_* variables that are set. An empty one counts as unset, because docker compose passes an
+    unset `${VAR:-}` through as ""."""
+    return {k: v for k, v in env.items() if k.startswith(ENV_PREFIX) and v.strip()}
+
+
+def check_env(env: Mapping[str, str]) -> None:
+    """Refuse an unknown SWARMLOCO_* variable: a misspelt setting would otherwise be silently ignored."""
+    known = sorted({o.env for o in OPTIONS} | OTHER_ENV)
+    for name in sorted(_set_env(env)):
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {close[0]}?" if close else "`swarmloco peer --help` lists every SWARMLOCO_* variable"
+            raise ConfigError(f"{name}: unknown setting; {hint}")
+
+
+def _construct(cls: type, kwargs: dict[str, Any]) -> Any:
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as exc:  # the protocol's dataclasses raise plain ValueError, in the same style
+        raise ConfigError(str(exc)) from None
+
+
+def build_config(args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None) -> PeerConfig:
+    """Merge defaults < TOML (--config or SWARMLOCO_CONFIG) < SWARMLOCO_* env < flags. Raises ConfigError."""
+    set_env = _set_env(os.environ if env is None else env)
+    check_env(set_env)
     values: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
-    config_path = getattr(args, "config", None) or env.get(ENV_PREFIX + "CONFIG")
+    config_path = getattr(args, "config", None) or set_env.get(CONFIG_ENV)
     if config_path:
         for section, entries in load_toml(config_path).items():
             values[section].update(entries)
     for opt in OPTIONS:
-        if opt.env in env:
-            values[opt.section][opt.field] = env[opt.env]
+        if opt.env in set_env:
+            values[opt.section][opt.field] = set_env[opt.env]
         if args is not None and getattr(args, opt.dest, None) is not None:
             values[opt.section][opt.field] = getattr(args, opt.dest)
-    built: dict[str, Any] = {}
+    sections: dict[str, Any] = {}
     for section, cls in SECTIONS.items():
         kwargs = {}
         for key, value in values[section].items():
-            label = next((o.flag.lstrip("-").replace("-", "_") for o in OPTIONS if o.section == section and o.field == key), key)
-            kwargs[key] = _coerce(value, _field_type(cls, key), label)
-        try:
-            built[section] = cls(**kwargs)
-        except ConfigError:
-            raise
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(str(exc)) from None
-    return built
+            opt = _BY_FIELD.get((section, key))
+            kwargs[key] = _coerce(value, _field_type(cls, key), opt.label if opt else key,
+                                  auto=opt is not None and opt.auto)
+        sections[section] = _construct(cls, kwargs)
+    return PeerConfig(**sections)

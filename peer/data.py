@@ -87,7 +87,9 @@ def _step_generator(seed: int, shard_index: int, step: int) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(mixed[:8], "little") & ((1 << 63) - 1))
 
 
-def sample_batch(data: torch.Tensor, *, batch_size: int, seq_len: int, seed: int, shard_index: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_batch(
+    data: torch.Tensor, *, batch_size: int, seq_len: int, seed: int, shard_index: int, step: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random windows of seq_len+1 bytes; depends only on its arguments."""
     if data.numel() <= seq_len + 1:
         raise ValueError(f"shard of {data.numel()} bytes is shorter than one sequence of {seq_len + 1}")
@@ -98,7 +100,9 @@ def sample_batch(data: torch.Tensor, *, batch_size: int, seq_len: int, seed: int
     return windows[:, :-1], windows[:, 1:]
 
 
-def eval_batches(data: torch.Tensor, *, n_batches: int, batch_size: int, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def eval_batches(
+    data: torch.Tensor, *, n_batches: int, batch_size: int, seq_len: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A fixed, evenly spaced set of windows over the eval shard."""
     total = n_batches * batch_size
     usable = data.numel() - seq_len - 1

@@ -87,6 +87,3 @@ class GPT(nn.Module):
             x = block(x)
         return self.ln_f(x) @ self.tok.weight.t()  # tied output embedding
 
-
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())

@@ -27,7 +27,9 @@ class OuterConfig:
 
 
 @torch.no_grad()
-def pseudo_gradient(global_params: Mapping[str, torch.Tensor], local_params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def pseudo_gradient(
+    global_params: Mapping[str, torch.Tensor], local_params: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """Δ = θ_global − θ_local, as fp32 CPU tensors."""
     return {name: g - local_params[name].detach().to("cpu", torch.float32) for name, g in global_params.items()}
 

@@ -22,7 +22,9 @@ class Progress:
         self._tokens_window: list[tuple[float, int]] = []
         self.bar: tqdm | None = None
         if log_format == "text" and self.stream.isatty():
-            self.bar = tqdm(total=total_steps or None, initial=initial_step, file=self.stream, unit="step", dynamic_ncols=True)
+            self.bar = tqdm(
+                total=total_steps or None, initial=initial_step, file=self.stream, unit="step", dynamic_ncols=True
+            )
 
     def tokens_per_second(self) -> float:
         if len(self._tokens_window) < 2:

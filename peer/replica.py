@@ -122,7 +122,9 @@ class Replica:
         self.round_steps = 0
         self.round_tokens = 0
 
-    def load_global(self, params: dict[str, torch.Tensor], momentum: dict[str, torch.Tensor], round_number: int, *, keep_local: bool) -> None:
+    def load_global(
+        self, params: dict[str, torch.Tensor], momentum: dict[str, torch.Tensor], round_number: int, *, keep_local: bool
+    ) -> None:
         """Adopt a verified global state (joiner, behind peer, or re-sync after a hash mismatch)."""
         if set(params) != set(self.global_params) or set(momentum) != set(self.global_params):
             raise ValueError("global state does not match this model's parameter names")

@@ -35,13 +35,8 @@ class StopFlag:
             os._exit(130)
         self.request(signal.Signals(signum).name)
 
-    def install(self) -> "StopFlag":
+    def install(self) -> StopFlag:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
-
-    def uninstall(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
-        self._previous.clear()

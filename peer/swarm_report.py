@@ -16,7 +16,9 @@ logger = logging.getLogger(__name__)
 
 
 class SwarmReports:
-    def __init__(self, url: str | None, identity_path: str | None, run_id: str, *, metrics_interval_s: float = 5.0) -> None:
+    def __init__(
+        self, url: str | None, identity_path: str | None, run_id: str, *, metrics_interval_s: float = 5.0
+    ) -> None:
         self.reporter: Any = None
         self.metrics_interval_s = metrics_interval_s
         self._last_metrics = 0.0
@@ -51,7 +53,9 @@ class SwarmReports:
         if self.reporter is None or time.monotonic() - self._last_metrics < self.metrics_interval_s:
             return
         self._last_metrics = time.monotonic()
-        self.reporter.report_metrics(step=replica.step, train_loss=loss, tokens_per_s=tokens_per_s, tokens_total=replica.tokens)
+        self.reporter.report_metrics(
+            step=replica.step, train_loss=loss, tokens_per_s=tokens_per_s, tokens_total=replica.tokens
+        )
 
     def round(self, entry: dict[str, Any]) -> None:
         if self.reporter is None:
@@ -60,15 +64,29 @@ class SwarmReports:
         weights = list(entry.get("weights") or [])
         if len(weights) != len(members):
             weights = [0] * len(members)
-        reason = entry.get("reason") or (f"state hash differs from leader's {entry['leader_hash'][:16]}" if "leader_hash" in entry else None)
+        reason = entry.get("reason") or (
+            f"state hash differs from leader's {entry['leader_hash'][:16]}" if "leader_hash" in entry else None
+        )
         self.reporter.report_round(
-            round=int(entry.get("round", 0)), members=members, tokens=[int(w) for w in weights], state_hash=entry.get("state_hash"),
-            train_s=float(entry.get("train_s", 0.0)), wait_s=float(entry.get("wait_s", 0.0)), average_s=float(entry.get("average_s", 0.0)),
-            outcome=str(entry.get("outcome", Outcome.DISCARDED)), failure_reason=reason, eval_loss=entry.get("eval_loss"),
+            round=int(entry.get("round", 0)),
+            members=members,
+            tokens=[int(w) for w in weights],
+            state_hash=entry.get("state_hash"),
+            train_s=float(entry.get("train_s", 0.0)),
+            wait_s=float(entry.get("wait_s", 0.0)),
+            average_s=float(entry.get("average_s", 0.0)),
+            outcome=str(entry.get("outcome", Outcome.DISCARDED)),
+            failure_reason=reason,
+            eval_loss=entry.get("eval_loss"),
         )
         if entry.get("eval_loss") is not None:
-            self.reporter.report_metrics(step=int(entry.get("step", 0)), train_loss=None, tokens_per_s=0.0,
-                                         tokens_total=int(entry.get("tokens_total", 0)), eval_loss=entry["eval_loss"])
+            self.reporter.report_metrics(
+                step=int(entry.get("step", 0)),
+                train_loss=None,
+                tokens_per_s=0.0,
+                tokens_total=int(entry.get("tokens_total", 0)),
+                eval_loss=entry["eval_loss"],
+            )
 
     def close(self) -> None:
         if self.reporter is not None:

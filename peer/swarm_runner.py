@@ -68,7 +68,9 @@ class SwarmSync:
         loop.on_step = lambda loss: self.reports.step(r, loss, loop.progress.tokens_per_second())
         self.node.start()
         self.averager = Averager(self.node, self.cfg.round, self.model, hooks=self.hooks)
-        self.server = StateServer(self.node, self.model.fingerprint, control_timeout_s=self.cfg.round.control_timeout_s, hooks=self.hooks)
+        self.server = StateServer(
+            self.node, self.model.fingerprint, control_timeout_s=self.cfg.round.control_timeout_s, hooks=self.hooks
+        )
         self.averager.start()
         self.node.call(self.server.register(), timeout=RECORDS_TIMEOUT_S)
         self.publish_state()
@@ -97,7 +99,9 @@ class SwarmSync:
     def initial_sync(self) -> None:
         r = self.replica
         for _ in range(3):
-            target = choose_target(compatible(self.others(), self.model.fingerprint), self.node.peer_id, r.round, self.state_hash)
+            target = choose_target(
+                compatible(self.others(), self.model.fingerprint), self.node.peer_id, r.round, self.state_hash
+            )
             if target is None or self.sync_to(target):
                 return
 
@@ -107,19 +111,37 @@ class SwarmSync:
         self.state_hash = r.state_hash()
         self.server.publish(ServedState(round=r.round, state_hash=self.state_hash, blob=state_blob(r)))
         self.averager.set_state(r.round, self.state_hash)
-        self.node.update_record(version=PROTOCOL_VERSION, fingerprint=self.model.fingerprint, config_json=self.model.config_json,
-                                round=r.round, state_hash=self.state_hash, ready=ready, leading=0, eta=time.time() + 60,
-                                updated=time.time())
+        self.node.update_record(
+            version=PROTOCOL_VERSION,
+            fingerprint=self.model.fingerprint,
+            config_json=self.model.config_json,
+            round=r.round,
+            state_hash=self.state_hash,
+            ready=ready,
+            leading=0,
+            eta=time.time() + 60,
+            updated=time.time(),
+        )
 
     def sync_to(self, target: Behind) -> bool:
-        """Download, verify and adopt the agreed state; local progress is kept as a stale contribution if young enough."""
+        """Download, verify and adopt the agreed state; local progress is kept as a stale contribution if young
+        enough."""
         r = self.replica
         started = time.perf_counter()
         try:
-            blob, bad = self.node.call(download_state(self.node, donors=target.donors, round_number=target.round, state_hash=target.state_hash,
-                                                      total_bytes=8 * self.model.numel, fingerprint=self.model.fingerprint,
-                                                      verify=lambda b: verify_blob(b, r), control_timeout=self.cfg.round.control_timeout_s),
-                                       timeout=DOWNLOAD_TIMEOUT_S)
+            blob, bad = self.node.call(
+                download_state(
+                    self.node,
+                    donors=target.donors,
+                    round_number=target.round,
+                    state_hash=target.state_hash,
+                    total_bytes=8 * self.model.numel,
+                    fingerprint=self.model.fingerprint,
+                    verify=lambda b: verify_blob(b, r),
+                    control_timeout=self.cfg.round.control_timeout_s,
+                ),
+                timeout=DOWNLOAD_TIMEOUT_S,
+            )
         except (StateSyncError, concurrent.futures.TimeoutError) as exc:
             logger.warning("re-sync to round %d failed: %s", target.round, exc)
             return False
@@ -129,8 +151,14 @@ class SwarmSync:
         rebase(r, params, momentum, target.round, keep_progress=keep)
         self.staleness = staleness if keep else 0
         self.resyncs += 1
-        self.loop.progress.event("resync", round=target.round, state_hash=target.state_hash[:16], kept_progress=keep, failures=bad,
-                                 seconds=round_float(time.perf_counter() - started))
+        self.loop.progress.event(
+            "resync",
+            round=target.round,
+            state_hash=target.state_hash[:16],
+            kept_progress=keep,
+            failures=bad,
+            seconds=round_float(time.perf_counter() - started),
+        )
         self.publish_state()
         return True
 
@@ -150,7 +178,10 @@ class SwarmSync:
             return False
         if self._peek is None:
             if now - self._peeked_at >= PEEK_S:
-                self._peek, self._peeked_at = self.node.submit(self.node.fetch_records(timeout=RECORDS_TIMEOUT_S / 3)), now
+                self._peek, self._peeked_at = (
+                    self.node.submit(self.node.fetch_records(timeout=RECORDS_TIMEOUT_S / 3)),
+                    now,
+                )
             return False
         if not self._peek.done():
             return False
@@ -161,8 +192,10 @@ class SwarmSync:
             logger.debug("looking at the swarm failed: %r", exc)
             return False
         r = self.replica
-        return group_forming(records, r.round, self.state_hash) or \
-            choose_target(records, self.node.peer_id, r.round, self.state_hash) is not None
+        return (
+            group_forming(records, r.round, self.state_hash)
+            or choose_target(records, self.node.peer_id, r.round, self.state_hash) is not None
+        )
 
     def round(self, loop: TrainingLoop) -> None:
         r = loop.replica
@@ -180,7 +213,11 @@ class SwarmSync:
                 loop.train_step()
             else:
                 concurrent.futures.wait([found], timeout=0.2)
-        entry: dict[str, Any] = {"round": r.round, "train_s": round_float(train_s), "wait_s": round_float(time.monotonic() - ready_at)}
+        entry: dict[str, Any] = {
+            "round": r.round,
+            "train_s": round_float(train_s),
+            "wait_s": round_float(time.monotonic() - ready_at),
+        }
         try:
             outcome = found.result(timeout=0)
         except (concurrent.futures.CancelledError, concurrent.futures.TimeoutError):
@@ -208,7 +245,9 @@ class SwarmSync:
     def average(self, group: Group, entry: dict[str, Any]) -> None:
         r = self.replica
         base_round = r.round
-        contribution = Contribution(delta=flatten(r.pseudo_gradient(), r.names), tokens=r.round_tokens, staleness=self.staleness)
+        contribution = Contribution(
+            delta=flatten(r.pseudo_gradient(), r.names), tokens=r.round_tokens, staleness=self.staleness
+        )
         result: RoundResult = self.averager.run_round(group, contribution, apply=self._apply)
         entry.update(outcome=result.outcome, leader=result.leader, members=result.members, role=result.role)
         if result.outcome == Outcome.DISCARDED:
@@ -217,8 +256,14 @@ class SwarmSync:
         self.bytes_sent += result.bytes_sent
         self.bytes_received += result.bytes_received
         self.staleness = 0
-        entry.update(round=base_round + 1, weights=result.weights, excluded=result.excluded, state_hash=result.state_hash,
-                     average_s=round_float(result.seconds), direct=result.direct)
+        entry.update(
+            round=base_round + 1,
+            weights=result.weights,
+            excluded=result.excluded,
+            state_hash=result.state_hash,
+            average_s=round_float(result.seconds),
+            direct=result.direct,
+        )
         if result.outcome == Outcome.MISMATCH:
             entry["leader_hash"] = result.leader_hash
         self.publish_state()
@@ -235,7 +280,11 @@ class SwarmSync:
         if entry.get("outcome") == Outcome.COMMITTED and not self._measured_hello:
             self._measured_hello = True
             self.reports.hello(self.replica, tokens_per_s=self.loop.progress.tokens_per_second())
-        shown = {k: (v[:16] if k == "state_hash" else v) for k, v in entry.items() if k not in ("members", "weights", "excluded")}
+        shown = {
+            k: (v[:16] if k == "state_hash" else v)
+            for k, v in entry.items()
+            if k not in ("members", "weights", "excluded")
+        }
         shown["member_count"] = len(entry.get("members", []))
         if "state_hash" in entry:
             shown["state_hash_full"] = entry["state_hash"]
@@ -252,8 +301,12 @@ class SwarmSync:
             loop.stop.event.wait(linger)  # keep serving our state to peers that are catching up
 
     def summary(self, loop: TrainingLoop) -> dict[str, Any]:
-        return {"peer_id": self.node.peer_id, "resyncs": self.resyncs, "bytes_sent": self.bytes_sent,
-                "bytes_received": self.bytes_received}
+        return {
+            "peer_id": self.node.peer_id,
+            "resyncs": self.resyncs,
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+        }
 
     def close(self) -> None:
         self.reports.close()

@@ -53,7 +53,14 @@ def verify_blob(blob: bytes | bytearray, replica: Replica) -> str:
 
 
 @torch.no_grad()
-def rebase(replica: Replica, params: dict[str, torch.Tensor], momentum: dict[str, torch.Tensor], round_number: int, *, keep_progress: bool) -> None:
+def rebase(
+    replica: Replica,
+    params: dict[str, torch.Tensor],
+    momentum: dict[str, torch.Tensor],
+    round_number: int,
+    *,
+    keep_progress: bool,
+) -> None:
     """Adopt a newer global state. With keep_progress, local ← θ_new − (θ_old − local): the local pseudo-gradient
     survives (it will be merged later as a stale contribution); otherwise local ← θ_new."""
     delta = replica.pseudo_gradient() if keep_progress else None

@@ -89,7 +89,7 @@ DEFAULT_BATCH = {"tiny": 16, "small": 16, "base": 8}
 
 
 def default_task(ctx: TaskContext) -> Task:
-    """Byte-level GPT on the Python standard library (DESIGN §6)."""
+    """Byte-level GPT on the Python standard library (real text every machine has; nothing to download)."""
     if ctx.preset not in PRESETS:
         raise ValueError(f"preset: got {ctx.preset!r}, allowed {', '.join(PRESETS)}")
     cfg = PRESETS[ctx.preset]

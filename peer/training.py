@@ -54,9 +54,13 @@ class TrainingLoop:
     def __init__(self, replica: Replica, cfg: PeerConfig, stop: StopFlag, *, hooks: Hooks | None = None) -> None:
         self.replica, self.cfg, self.stop = replica, cfg, stop
         self.hooks = hooks or Hooks()
-        self.progress = Progress(log_format=cfg.run.log_format, total_steps=cfg.run.max_steps or None, initial_step=replica.step)
+        self.progress = Progress(
+            log_format=cfg.run.log_format, total_steps=cfg.run.max_steps or None, initial_step=replica.step
+        )
         if hasattr(self.hooks, "on_fire"):
-            self.hooks.on_fire = lambda phase, action, rnd: self.progress.event("fault", phase=phase, action=action, round=rnd)
+            self.hooks.on_fire = lambda phase, action, rnd: self.progress.event(
+                "fault", phase=phase, action=action, round=rnd
+            )
         self.history: list[dict[str, Any]] = []
         self.compute_s = 0.0
         self.initial_eval = 0.0
@@ -66,7 +70,11 @@ class TrainingLoop:
     # --- when a round, and the run, are over ----------------------------------------------------------------------
     def done(self) -> bool:
         run, r = self.cfg.run, self.replica
-        return bool(self.stop) or bool(run.max_steps and r.step >= run.max_steps) or bool(run.max_rounds and r.round >= run.max_rounds)
+        return (
+            bool(self.stop)
+            or bool(run.max_steps and r.step >= run.max_steps)
+            or bool(run.max_rounds and r.round >= run.max_rounds)
+        )
 
     def steps_exhausted(self) -> bool:
         return bool(self.stop) or bool(self.cfg.run.max_steps and self.replica.step >= self.cfg.run.max_steps)
@@ -101,7 +109,9 @@ class TrainingLoop:
         if self.cfg.run.slowdown > 1:
             time.sleep(result.seconds * (self.cfg.run.slowdown - 1))
         self.compute_s += time.perf_counter() - started
-        self.progress.step(step=self.replica.step, round=self.replica.round, loss=result.loss, tokens=result.tokens, lr=result.lr)
+        self.progress.step(
+            step=self.replica.step, round=self.replica.round, loss=result.loss, tokens=result.tokens, lr=result.lr
+        )
         if self.on_step is not None:
             self.on_step(result.loss)
 
@@ -139,8 +149,14 @@ class TrainingLoop:
             # state is pulled from a swarm; a resumed peer keeps the value from its checkpoint.
             initial = meta.get("initial_eval_loss")
             self.initial_eval = float(initial) if initial is not None else r.evaluate_global()
-            self.progress.event("start", mode=sync.mode, step=r.step, round=r.round, eval_loss=round_float(self.initial_eval),
-                                device=str(r.device))
+            self.progress.event(
+                "start",
+                mode=sync.mode,
+                step=r.step,
+                round=r.round,
+                eval_loss=round_float(self.initial_eval),
+                device=str(r.device),
+            )
             sync.start(self)
             started, start_tokens = time.perf_counter(), r.tokens
             try:
@@ -152,13 +168,24 @@ class TrainingLoop:
             wall = time.perf_counter() - started
             sync.finish(self)
             last = self.history[-1] if self.history else {}
-            final_eval = last["eval_loss"] if last.get("round") == r.round and "eval_loss" in last else r.evaluate_global()
+            final_eval = (
+                last["eval_loss"] if last.get("round") == r.round and "eval_loss" in last else r.evaluate_global()
+            )
             summary = {
-                "mode": sync.mode, "task": r.task.name, "initial_eval_loss": round_float(self.initial_eval),
-                "final_eval_loss": round_float(final_eval), "steps": r.step, "rounds": r.round, "tokens": r.tokens,
-                "tokens_per_s": round_float((r.tokens - start_tokens) / wall) if wall > 0 else 0.0, "wall_s": round_float(wall),
-                "compute_s": round_float(self.compute_s), "state_hash": r.state_hash(), "stopped_early": bool(self.stop),
-                "history": self.history, **sync.summary(self),
+                "mode": sync.mode,
+                "task": r.task.name,
+                "initial_eval_loss": round_float(self.initial_eval),
+                "final_eval_loss": round_float(final_eval),
+                "steps": r.step,
+                "rounds": r.round,
+                "tokens": r.tokens,
+                "tokens_per_s": round_float((r.tokens - start_tokens) / wall) if wall > 0 else 0.0,
+                "wall_s": round_float(wall),
+                "compute_s": round_float(self.compute_s),
+                "state_hash": r.state_hash(),
+                "stopped_early": bool(self.stop),
+                "history": self.history,
+                **sync.summary(self),
             }
             self.progress.event("done", **{k: v for k, v in summary.items() if k != "history"})
             return summary

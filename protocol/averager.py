@@ -78,7 +78,9 @@ class _Average:
 class Averager:
     """Owns the round protocol of one peer: the join handler, the data plane, matchmaking and the exchange."""
 
-    def __init__(self, transport: Transport, cfg: RoundConfig, model: LocalModel, *, hooks: Hooks | None = None) -> None:
+    def __init__(
+        self, transport: Transport, cfg: RoundConfig, model: LocalModel, *, hooks: Hooks | None = None
+    ) -> None:
         self.transport, self.cfg, self.model = transport, cfg, model
         self.hooks = hooks or Hooks()
         self.codec = get_codec(cfg.codec)
@@ -98,7 +100,9 @@ class Averager:
         if hosts is not None:
             self.data_plane = DataPlane(bind_host=hosts[0], advertise_hosts=hosts[1])
             await self.data_plane.start()
-        self.matchmaker = Matchmaker(self.transport, self.cfg, self.model, data_plane=self.data_plane, dial_data_plane=hosts is not None)
+        self.matchmaker = Matchmaker(
+            self.transport, self.cfg, self.model, data_plane=self.data_plane, dial_data_plane=hosts is not None
+        )
         await self.matchmaker.register()
 
     def close(self, *, timeout: float = 10.0) -> None:
@@ -116,7 +120,9 @@ class Averager:
         assert self.matchmaker is not None, "call start() first"
         return self.transport.submit(self.matchmaker.form_group(round_number, state_hash))
 
-    def run_round(self, group: Group, contribution: Contribution, *, apply: Callable[[torch.Tensor], str]) -> RoundResult:
+    def run_round(
+        self, group: Group, contribution: Contribution, *, apply: Callable[[torch.Tensor], str]
+    ) -> RoundResult:
         """Exchange and apply one round; called from the training thread, which `apply` runs on."""
         started = time.monotonic()
         role = "leader" if group.is_leader else "member"
@@ -127,11 +133,24 @@ class Averager:
                 self.hooks.before_commit(group.round)
                 new_hash = apply(average.delta)
                 sent = self.transport.call(self._commit(group, average, new_hash), timeout=d.transfer + d.control)
-                result = RoundResult(Outcome.COMMITTED, group.round, group.leader, role, average.members, average.weights,
-                                     average.excluded, new_hash, new_hash, bytes_sent=sent, bytes_received=average.received,
-                                     direct=average.direct)
+                result = RoundResult(
+                    Outcome.COMMITTED,
+                    group.round,
+                    group.leader,
+                    role,
+                    average.members,
+                    average.weights,
+                    average.excluded,
+                    new_hash,
+                    new_hash,
+                    bytes_sent=sent,
+                    bytes_received=average.received,
+                    direct=average.direct,
+                )
             else:
-                result, average_delta = self.transport.call(self._exchange_as_member(group, contribution), timeout=d.exchange)
+                result, average_delta = self.transport.call(
+                    self._exchange_as_member(group, contribution), timeout=d.exchange
+                )
                 result.state_hash = apply(average_delta)
                 if result.state_hash != result.leader_hash:
                     result.outcome = Outcome.MISMATCH
@@ -140,35 +159,63 @@ class Averager:
                 self.transport.submit(self._abort(group, str(exc) or "timed out"))
             else:
                 self.transport.submit(self._release(group))
-            return RoundResult(Outcome.DISCARDED, group.round, group.leader, role, list(group.members),
-                               reason=str(exc) or f"{type(exc).__name__} after {time.monotonic() - started:.1f}s")
+            return RoundResult(
+                Outcome.DISCARDED,
+                group.round,
+                group.leader,
+                role,
+                list(group.members),
+                reason=str(exc) or f"{type(exc).__name__} after {time.monotonic() - started:.1f}s",
+            )
         result.seconds = time.monotonic() - started
         return result
 
     # --- leader ---------------------------------------------------------------------------------------------------
     async def _reduce(self, group: Group, own: Contribution) -> _Average:
         loop = asyncio.get_running_loop()
-        got = await collect(group.links, codec=self.codec, numel=self.model.numel, max_staleness=self.cfg.max_staleness,
-                            timeout=self.deadlines.collect)
+        got = await collect(
+            group.links,
+            codec=self.codec,
+            numel=self.model.numel,
+            max_staleness=self.cfg.max_staleness,
+            timeout=self.deadlines.collect,
+        )
         got.tensors[group.me] = own.delta.reshape(-1).to(torch.float32)
         got.claims[group.me] = (own.tokens, own.staleness)
         exact = token_weights(got.claims, leader=group.me, cfg=self.cfg)
         for peer, (claimed, _) in got.claims.items():
             if claimed > self.cfg.weight_cap_factor * max(own.tokens, 1):
-                logger.warning("capping %s's claimed %d tokens at %.0f× ours", peer[-8:], claimed, self.cfg.weight_cap_factor)
+                logger.warning(
+                    "capping %s's claimed %d tokens at %.0f× ours", peer[-8:], claimed, self.cfg.weight_cap_factor
+                )
         average = weighted_average(got.tensors, exact)
         encoded = await loop.run_in_executor(None, self.codec.encode, average)
         # Everyone must apply exactly what members will decode; for a lossless codec that is the average itself.
         if not self.codec.lossless:
             average = await loop.run_in_executor(None, self.codec.decode, bytearray(encoded), self.model.numel)
         members = sorted(exact)
-        return _Average(delta=average, encoded=encoded, members=members, weights=[round(exact[p]) for p in members],
-                        excluded=got.excluded, received=got.bytes, direct=sum(link.direct is not None for link in group.links.values()))
+        return _Average(
+            delta=average,
+            encoded=encoded,
+            members=members,
+            weights=[round(exact[p]) for p in members],
+            excluded=got.excluded,
+            received=got.bytes,
+            direct=sum(link.direct is not None for link in group.links.values()),
+        )
 
     async def _commit(self, group: Group, average: _Average, new_hash: str) -> int:
-        header = pb.RoundResult(outcome=pb.RoundResult.COMMITTED, round=group.round, new_state_hash=new_hash, members=average.members,
-                                weights=average.weights, excluded=list(average.excluded), excluded_reasons=list(average.excluded.values()),
-                                codec=self.codec.name, numel=self.model.numel)
+        header = pb.RoundResult(
+            outcome=pb.RoundResult.COMMITTED,
+            round=group.round,
+            new_state_hash=new_hash,
+            members=average.members,
+            weights=average.weights,
+            excluded=list(average.excluded),
+            excluded_reasons=list(average.excluded.values()),
+            codec=self.codec.name,
+            numel=self.model.numel,
+        )
         try:
             return await broadcast(group.links, header, average.encoded, timeout=self.deadlines.transfer)
         finally:
@@ -217,7 +264,17 @@ class Averager:
             average = await asyncio.get_running_loop().run_in_executor(None, self.codec.decode, body, self.model.numel)
         except CodecError as exc:
             raise RoundAborted(f"leader sent a malformed average: {exc}") from exc
-        out = RoundResult(Outcome.COMMITTED, group.round, group.leader, "member", list(result.members), list(result.weights),
-                          dict(zip(result.excluded, result.excluded_reasons)), leader_hash=result.new_state_hash,
-                          bytes_sent=sent, bytes_received=frame_bytes(result, len(body)), direct=int(link.direct is not None))
+        out = RoundResult(
+            Outcome.COMMITTED,
+            group.round,
+            group.leader,
+            "member",
+            list(result.members),
+            list(result.weights),
+            dict(zip(result.excluded, result.excluded_reasons, strict=False)),
+            leader_hash=result.new_state_hash,
+            bytes_sent=sent,
+            bytes_received=frame_bytes(result, len(body)),
+            direct=int(link.direct is not None),
+        )
         return out, average

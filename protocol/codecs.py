@@ -85,7 +85,8 @@ class Codec:
 
 def _all_finite(t: torch.Tensor) -> bool:
     """True iff no element is NaN or ±Inf. Fast path: NaN and Inf propagate through a sum, so a finite float32 sum
-    proves every element finite; only a non-finite sum (NaN/Inf present, or a mere overflow) pays for the exact check."""
+    proves every element finite; only a non-finite sum (NaN/Inf present, or a mere overflow) pays for the exact
+    check."""
     if math.isfinite(float(t.sum())):
         return True
     return bool(torch.isfinite(t).all())

@@ -66,9 +66,13 @@ class DataConn:
         self.sock = sock
         self.closed = False
 
-    async def send_frame(self, header: Message, payload: bytes | bytearray | memoryview = b"", *, timeout: float) -> None:
+    async def send_frame(
+        self, header: Message, payload: bytes | bytearray | memoryview = b"", *, timeout: float
+    ) -> None:
         prefix = frame_prefix(header, len(payload))
-        await self._run(f"sending {type(header).__name__}", self._send_all, [prefix, payload], time.monotonic() + timeout)
+        await self._run(
+            f"sending {type(header).__name__}", self._send_all, [prefix, payload], time.monotonic() + timeout
+        )
 
     async def recv_frame(self, header_type: type[M], *, max_payload: int, timeout: float) -> tuple[M, bytearray]:
         """One frame; the payload is a writable bytearray, filled in place by the kernel."""
@@ -130,7 +134,9 @@ class DataConn:
 
     def _recv_frame(self, max_payload: int, deadline: float) -> tuple[bytearray, bytearray]:
         raw = self._recv_exact(header_length(bytes(self._recv_exact(HEADER_LEN.size, deadline))), deadline)
-        payload = self._recv_exact(payload_length(bytes(self._recv_exact(PAYLOAD_LEN.size, deadline)), max_payload), deadline)
+        payload = self._recv_exact(
+            payload_length(bytes(self._recv_exact(PAYLOAD_LEN.size, deadline)), max_payload), deadline
+        )
         return raw, payload
 
     def _recv_eof(self, deadline: float) -> None:
@@ -220,7 +226,9 @@ async def connect(addrs: list[str], token: str, *, timeout: float = 3.0) -> Data
     for addr in addrs:
         host, _, port = addr.rpartition(":")
         try:
-            sock = await loop.run_in_executor(_IO, functools.partial(socket.create_connection, (host, int(port)), timeout))
+            sock = await loop.run_in_executor(
+                _IO, functools.partial(socket.create_connection, (host, int(port)), timeout)
+            )
         except (OSError, ValueError) as exc:
             logger.debug("data plane %s unreachable: %r", addr, exc)
             continue

@@ -83,13 +83,20 @@ async def receive_contribution(link: Link, *, codec: Codec, numel: int, max_stal
                 return
             try:
                 link.direct = await asyncio.wait_for(asyncio.shield(link.offer), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 into.excluded[link.peer] = "announced a data connection that never arrived"
                 return
             header, body = await link.direct.recv_frame(pb.Contribution, max_payload=cap, timeout=timeout)
         into.bytes += frame_bytes(header, len(body))
-        problem = check_contribution(codec=header.codec, numel=header.numel, tokens=header.tokens, staleness=header.staleness,
-                                     expect_codec=codec.name, expect_numel=numel, max_staleness=max_staleness)
+        problem = check_contribution(
+            codec=header.codec,
+            numel=header.numel,
+            tokens=header.tokens,
+            staleness=header.staleness,
+            expect_codec=codec.name,
+            expect_numel=numel,
+            max_staleness=max_staleness,
+        )
         if problem:
             into.excluded[link.peer] = problem
             return
@@ -108,17 +115,22 @@ async def collect(links: dict[str, Link], *, codec: Codec, numel: int, max_stale
 
     async def one(link: Link) -> None:
         try:
-            await asyncio.wait_for(receive_contribution(link, codec=codec, numel=numel, max_staleness=max_staleness,
-                                                        timeout=timeout, into=into), timeout)
-        except asyncio.TimeoutError:
+            await asyncio.wait_for(
+                receive_contribution(
+                    link, codec=codec, numel=numel, max_staleness=max_staleness, timeout=timeout, into=into
+                ),
+                timeout,
+            )
+        except TimeoutError:
             into.excluded[link.peer] = f"no contribution within {timeout:.0f}s"
 
     await asyncio.gather(*(one(link) for link in links.values()))
     return into
 
 
-async def broadcast(links: dict[str, Link], header: pb.RoundResult, payload: bytes | memoryview = b"", *,
-                    timeout: float) -> int:
+async def broadcast(
+    links: dict[str, Link], header: pb.RoundResult, payload: bytes | memoryview = b"", *, timeout: float
+) -> int:
     """The same result frame to every member; returns the bytes delivered. A member that cannot be reached is
     logged and skipped: it finds itself behind and re-syncs to the committed state."""
     sent = 0

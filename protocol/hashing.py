@@ -24,7 +24,7 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
-def hash_tensors(tensors: Mapping[str, torch.Tensor], *, digest: "hashlib._Hash | None" = None) -> str:
+def hash_tensors(tensors: Mapping[str, torch.Tensor], *, digest: hashlib._Hash | None = None) -> str:
     """Hex sha256 of a name → tensor mapping in canonical order."""
     h = digest if digest is not None else hashlib.sha256()
     h.update(_HASH_VERSION)
@@ -48,11 +48,15 @@ def state_hash(params: Mapping[str, torch.Tensor], momentum: Mapping[str, torch.
 
 def pack_state(params: Mapping[str, torch.Tensor], momentum: Mapping[str, torch.Tensor], names: Sequence[str]) -> bytes:
     """The global state as donors serve it: θ then m, fp32, little-endian, parameters in `names` order."""
-    flat = [params[n].reshape(-1).to(torch.float32) for n in names] + [momentum[n].reshape(-1).to(torch.float32) for n in names]
+    flat = [params[n].reshape(-1).to(torch.float32) for n in names] + [
+        momentum[n].reshape(-1).to(torch.float32) for n in names
+    ]
     return torch.cat(flat).numpy().tobytes() if flat else b""
 
 
-def unpack_state(blob: bytes | bytearray, shapes: Mapping[str, torch.Size], names: Sequence[str]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def unpack_state(
+    blob: bytes | bytearray, shapes: Mapping[str, torch.Size], names: Sequence[str]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Inverse of `pack_state` for a model of these parameter shapes; ValueError when the size does not fit."""
     sizes = [int(torch.Size(shapes[n]).numel()) for n in names]
     if len(blob) != 8 * sum(sizes):
@@ -61,8 +65,8 @@ def unpack_state(blob: bytes | bytearray, shapes: Mapping[str, torch.Size], name
     parts: list[dict[str, torch.Tensor]] = [{}, {}]
     offset = 0
     for part in parts:
-        for name, size in zip(names, sizes):
-            part[name] = flat[offset: offset + size].view(shapes[name])
+        for name, size in zip(names, sizes, strict=False):
+            part[name] = flat[offset : offset + size].view(shapes[name])
             offset += size
     return parts[0], parts[1]
 

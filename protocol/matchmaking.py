@@ -25,7 +25,16 @@ from protocol import swarmloco_wire_pb2 as pb
 from protocol.data_plane import DataPlane, connect
 from protocol.exchange import Link
 from protocol.records import PROTOCOL_VERSION, PeerRecord, describe_difference
-from protocol.rounds import Behind, Deadlines, LocalModel, RoundConfig, choose_target, compatible, grace_over, pick_leader
+from protocol.rounds import (
+    Behind,
+    Deadlines,
+    LocalModel,
+    RoundConfig,
+    choose_target,
+    compatible,
+    grace_over,
+    pick_leader,
+)
 from protocol.transport import Transport
 from protocol.wire import WireError, close_writer, read_frame, write_frame
 
@@ -54,11 +63,23 @@ class Group:
         return self.me == self.leader
 
 
-def admit(req: pb.JoinRequest, *, run_id: str, model: LocalModel, state_hash: str, collecting_round: int | None,
-          closed: bool, size: int, max_group: int) -> tuple[int, str]:
+def admit(
+    req: pb.JoinRequest,
+    *,
+    run_id: str,
+    model: LocalModel,
+    state_hash: str,
+    collecting_round: int | None,
+    closed: bool,
+    size: int,
+    max_group: int,
+) -> tuple[int, str]:
     """A leader's answer to a join request, with the reason a refused peer is shown."""
     if req.protocol_version != PROTOCOL_VERSION:
-        return pb.JoinReply.INCOMPATIBLE, f"protocol version differs: ours {PROTOCOL_VERSION}, yours {req.protocol_version}"
+        return (
+            pb.JoinReply.INCOMPATIBLE,
+            f"protocol version differs: ours {PROTOCOL_VERSION}, yours {req.protocol_version}",
+        )
     if req.run_id != run_id:
         return pb.JoinReply.INCOMPATIBLE, f"run id differs: ours {run_id!r}, yours {req.run_id!r}"
     if req.fingerprint != model.fingerprint:
@@ -66,7 +87,9 @@ def admit(req: pb.JoinRequest, *, run_id: str, model: LocalModel, state_hash: st
             theirs = json.loads(req.task_config_json) if len(req.task_config_json) < MAX_REFUSAL_CONFIG else {}
         except json.JSONDecodeError:
             theirs = {}
-        return pb.JoinReply.INCOMPATIBLE, "model differs: " + describe_difference(model.config, theirs if isinstance(theirs, dict) else {})
+        return pb.JoinReply.INCOMPATIBLE, "model differs: " + describe_difference(
+            model.config, theirs if isinstance(theirs, dict) else {}
+        )
     if collecting_round is None or collecting_round != req.round:
         return pb.JoinReply.NOT_LEADER, f"not collecting round {req.round}"
     if closed:
@@ -115,8 +138,15 @@ class _Attempt:
 class Matchmaker:
     """Runs on the transport's loop: serves join requests, and forms or finds the group for a round."""
 
-    def __init__(self, transport: Transport, cfg: RoundConfig, model: LocalModel, *, data_plane: DataPlane | None,
-                 dial_data_plane: bool) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        cfg: RoundConfig,
+        model: LocalModel,
+        *,
+        data_plane: DataPlane | None,
+        dial_data_plane: bool,
+    ) -> None:
         self.transport, self.cfg, self.model = transport, cfg, model
         self.deadlines = Deadlines.of(cfg)
         self.data_plane, self.dial_data_plane = data_plane, dial_data_plane
@@ -136,12 +166,14 @@ class Matchmaker:
     async def form_group(self, round_number: int, state_hash: str) -> Group | Behind:
         """The closed group for round r, or the newer state to fetch. Raises RoundAborted past round_timeout_s."""
         self.set_state(round_number, state_hash)
-        attempt = _Attempt(round=round_number, state_hash=state_hash, deadline=time.monotonic() + self.cfg.round_timeout_s)
+        attempt = _Attempt(
+            round=round_number, state_hash=state_hash, deadline=time.monotonic() + self.cfg.round_timeout_s
+        )
         try:
             while time.monotonic() < attempt.deadline:
                 try:
                     found = await self.transport.fetch_records(timeout=self.deadlines.control)
-                except (TimeoutError, asyncio.TimeoutError):
+                except TimeoutError:
                     logger.info("DHT lookup timed out; retrying")
                     continue
                 records = compatible(found, self.model.fingerprint)
@@ -161,8 +193,9 @@ class Matchmaker:
                 if isinstance(joined, Group):
                     return joined
                 attempt.skip[leader] = time.monotonic() + joined
-            raise RoundAborted(f"no group of {self.cfg.quorum} formed for round {round_number} within "
-                               f"{self.cfg.round_timeout_s:.0f}s")
+            raise RoundAborted(
+                f"no group of {self.cfg.quorum} formed for round {round_number} within {self.cfg.round_timeout_s:.0f}s"
+            )
         except BaseException:
             self._abandon()
             raise
@@ -198,7 +231,7 @@ class Matchmaker:
         collect.changed.clear()
         try:
             await asyncio.wait_for(collect.changed.wait(), timeout=POLL_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         return None
 
@@ -224,7 +257,9 @@ class Matchmaker:
         names = [me, *links]
 
         async def notify(link: Link) -> bool:
-            message = pb.GroupClosed(round=collect.round, members=names, codec=self.cfg.codec, deadline_s=self.deadlines.transfer)
+            message = pb.GroupClosed(
+                round=collect.round, members=names, codec=self.cfg.codec, deadline_s=self.deadlines.transfer
+            )
             if self.data_plane is not None:
                 link.token, link.offer = self.data_plane.expect()
                 message.data_addrs.extend(self.data_plane.addrs)
@@ -237,7 +272,7 @@ class Matchmaker:
                 return False
 
         reached = await asyncio.gather(*(notify(link) for link in links.values()))
-        alive = {p: link for (p, link), ok in zip(links.items(), reached) if ok}
+        alive = {p: link for (p, link), ok in zip(links.items(), reached, strict=False) if ok}
         return Group(round=collect.round, me=me, leader=me, members=[me, *alive], links=alive, release=collect.done)
 
     async def _try_join(self, leader: str, attempt: _Attempt) -> Group | float:
@@ -250,8 +285,14 @@ class Matchmaker:
             return _SKIP_UNREACHABLE_S
         link = Link(leader, reader, writer)
         try:
-            request = pb.JoinRequest(protocol_version=PROTOCOL_VERSION, run_id=self.transport.run_id, fingerprint=self.model.fingerprint,
-                                     task_config_json=self.model.config_json, round=attempt.round, state_hash=attempt.state_hash)
+            request = pb.JoinRequest(
+                protocol_version=PROTOCOL_VERSION,
+                run_id=self.transport.run_id,
+                fingerprint=self.model.fingerprint,
+                task_config_json=self.model.config_json,
+                round=attempt.round,
+                state_hash=attempt.state_hash,
+            )
             await write_frame(writer, request, timeout=d.control)
             reply, _ = await read_frame(reader, pb.JoinReply, max_payload=0, timeout=d.control)
             if reply.status != pb.JoinReply.ACCEPTED:
@@ -261,15 +302,26 @@ class Matchmaker:
                 link.close()
                 return _SKIP_S.get(reply.status, _SKIP_OTHER_S)
             self.transport.update_record(leading=0)
-            closed, _ = await read_frame(reader, pb.GroupClosed, max_payload=0, timeout=max(1.0, attempt.deadline - time.monotonic()))
-            if closed.round != attempt.round or closed.codec != self.cfg.codec or self.transport.peer_id not in closed.members:
+            closed, _ = await read_frame(
+                reader, pb.GroupClosed, max_payload=0, timeout=max(1.0, attempt.deadline - time.monotonic())
+            )
+            if (
+                closed.round != attempt.round
+                or closed.codec != self.cfg.codec
+                or self.transport.peer_id not in closed.members
+            ):
                 link.close()
                 return _SKIP_DROPPED_S
             self.transport.update_record(ready=False)
             if self.dial_data_plane and closed.data_addrs and closed.data_token:
                 link.direct = await connect(list(closed.data_addrs)[:8], closed.data_token, timeout=min(3.0, d.control))
-            return Group(round=attempt.round, me=self.transport.peer_id, leader=leader, members=list(closed.members),
-                         links={leader: link})
+            return Group(
+                round=attempt.round,
+                me=self.transport.peer_id,
+                leader=leader,
+                members=list(closed.members),
+                links={leader: link},
+            )
         except WireError as exc:
             logger.info("leader %s dropped us before the group closed: %r", leader[-8:], exc)
             link.close()
@@ -282,10 +334,16 @@ class Matchmaker:
         try:
             request, _ = await read_frame(reader, pb.JoinRequest, max_payload=0, timeout=d.control)
             collect = self._collect
-            status, message = admit(request, run_id=self.transport.run_id, model=self.model, state_hash=self.state_hash,
-                                    collecting_round=collect.round if collect is not None else None,
-                                    closed=collect.closed if collect is not None else False,
-                                    size=len(collect.members) if collect is not None else 0, max_group=self.cfg.max_group)
+            status, message = admit(
+                request,
+                run_id=self.transport.run_id,
+                model=self.model,
+                state_hash=self.state_hash,
+                collecting_round=collect.round if collect is not None else None,
+                closed=collect.closed if collect is not None else False,
+                size=len(collect.members) if collect is not None else 0,
+                max_group=self.cfg.max_group,
+            )
             accepted = collect is not None and status == pb.JoinReply.ACCEPTED
             if accepted:
                 # Registered before the reply goes out: a group that closes while the reply is in flight still
@@ -303,7 +361,7 @@ class Matchmaker:
                 # member to close first (it does once it has read the result), or for the deadline. A group that was
                 # abandoned before closing has nothing in flight: close at once so the member moves on.
                 await asyncio.wait_for(reader.read(1), timeout=d.linger)
-        except (WireError, asyncio.CancelledError, asyncio.TimeoutError, ConnectionError) as exc:
+        except (TimeoutError, WireError, asyncio.CancelledError, ConnectionError) as exc:
             logger.debug("join stream from %s ended: %r", caller[-8:], exc)
             if collect is not None and not collect.closed and collect.members.get(caller) is not None:
                 collect.members.pop(caller, None)  # the reply never got through: not a member after all

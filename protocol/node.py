@@ -48,7 +48,9 @@ class NetworkConfig:
             raise ValueError(f"run_id: got {self.run_id!r}, allowed 1-64 characters of letters, digits, '-', '_', '.'")
         for maddr in (*self.initial_peers, *self.host_maddrs, *self.announce_maddrs):
             if not maddr.startswith("/"):
-                raise ValueError(f"multiaddr: got {maddr!r}, allowed a multiaddr such as /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...")
+                raise ValueError(
+                    f"multiaddr: got {maddr!r}, allowed a multiaddr such as /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo..."
+                )
         if not 1.0 <= self.record_ttl_s <= 3600:
             raise ValueError(f"record_ttl_s: got {self.record_ttl_s}, allowed 1 .. 3600")
         if not 0.1 <= self.heartbeat_s < self.record_ttl_s:
@@ -167,7 +169,9 @@ class SwarmNode:
 
     async def open_stream(self, peer_id: str, name: str, *, timeout: float) -> Stream:
         assert self.p2p is not None
-        _, reader, writer = await asyncio.wait_for(self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name), timeout)
+        _, reader, writer = await asyncio.wait_for(
+            self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name), timeout
+        )
         return reader, writer
 
     # --- the peer record: written on the loop thread only -----------------------------------------------------------
@@ -196,8 +200,9 @@ class SwarmNode:
             # return_future + a bounded result(): a store in flight when the DHT stops must not hang this thread
             await loop.run_in_executor(
                 None,
-                lambda: dht.store(peers_key(self.net.run_id), record.to_value(), expiration, subkey=self.peer_id,
-                                  return_future=True).result(timeout=self.net.record_ttl_s),
+                lambda: dht.store(
+                    peers_key(self.net.run_id), record.to_value(), expiration, subkey=self.peer_id, return_future=True
+                ).result(timeout=self.net.record_ttl_s),
             )
         except Exception as exc:  # noqa: BLE001 - the DHT may be briefly unreachable; the heartbeat retries
             logger.warning("publishing our DHT record failed (will retry): %r", exc)
@@ -213,7 +218,10 @@ class SwarmNode:
         assert dht is not None
         loop = asyncio.get_running_loop()
         found = await asyncio.wait_for(
-            loop.run_in_executor(None, lambda: dht.get(peers_key(self.net.run_id), latest=True, return_future=True).result(timeout=timeout)),
+            loop.run_in_executor(
+                None,
+                lambda: dht.get(peers_key(self.net.run_id), latest=True, return_future=True).result(timeout=timeout),
+            ),
             timeout + 1,
         )
         records: dict[str, PeerRecord] = {}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -51,7 +50,7 @@ class PeerRecord:
         return asdict(self)
 
     @classmethod
-    def parse(cls, value: Any) -> "PeerRecord | None":
+    def parse(cls, value: Any) -> PeerRecord | None:
         """A validated record, or None for anything malformed (wrong types, huge or non-finite values)."""
         if not isinstance(value, dict) or set(value) != {f for f in cls.__dataclass_fields__}:
             return None
@@ -59,9 +58,14 @@ class PeerRecord:
             rec = cls(**value)
         except TypeError:
             return None
-        ints_ok = all(isinstance(getattr(rec, k), int) and not isinstance(getattr(rec, k), bool) for k in ("version", "round", "leading"))
+        ints_ok = all(
+            isinstance(getattr(rec, k), int) and not isinstance(getattr(rec, k), bool)
+            for k in ("version", "round", "leading")
+        )
         strs_ok = all(isinstance(getattr(rec, k), str) for k in ("fingerprint", "config_json", "state_hash"))
-        floats_ok = all(isinstance(getattr(rec, k), (int, float)) and math.isfinite(getattr(rec, k)) for k in ("eta", "updated"))
+        floats_ok = all(
+            isinstance(getattr(rec, k), (int, float)) and math.isfinite(getattr(rec, k)) for k in ("eta", "updated")
+        )
         if not (ints_ok and strs_ok and floats_ok and isinstance(rec.ready, bool)):
             return None
         if not (0 <= rec.round < 2**40 and 0 <= rec.leading < 10_000 and len(rec.config_json) <= MAX_CONFIG_JSON):
@@ -78,16 +82,13 @@ class PeerRecord:
         return value if isinstance(value, dict) else {}
 
 
-def compatibility_problem(records: dict[str, "PeerRecord"], *, fingerprint: str, config: dict[str, Any]) -> str | None:
+def compatibility_problem(records: dict[str, PeerRecord], *, fingerprint: str, config: dict[str, Any]) -> str | None:
     """Why this peer cannot join the swarm described by `records`, or None. A swarm is joinable as soon as one
     record speaks our protocol version and trains our model; otherwise the message names what differs."""
     if not records or any(r.version == PROTOCOL_VERSION and r.fingerprint == fingerprint for r in records.values()):
         return None
     rec = next(iter(records.values()))
     if rec.version != PROTOCOL_VERSION:
-        return f"the swarm speaks protocol version {rec.version}, this peer {PROTOCOL_VERSION}; install the matching swarmloco"
+        return (f"the swarm speaks protocol version {rec.version}, this peer {PROTOCOL_VERSION}; "
+                "install the matching swarmloco")
     return f"the swarm trains a different model: {describe_difference(config, rec.config())}"
-
-
-def now() -> float:
-    return time.time()

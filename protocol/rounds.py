@@ -144,7 +144,8 @@ def choose_target(records: Mapping[str, PeerRecord], me: str, round_number: int,
 
 def group_forming(records: Mapping[str, PeerRecord], round_number: int, state_hash: str) -> bool:
     """Whether some peer at our (round, state) is ready to average: a group for our round is about to close."""
-    return any(r.round == round_number and r.state_hash == state_hash and (r.ready or r.leading) for r in records.values())
+    return any(r.round == round_number and r.state_hash == state_hash and (r.ready or r.leading)
+               for r in records.values())
 
 
 def grace_over(*, waited: float, etas: Sequence[float | None], cfg: RoundConfig) -> bool:
@@ -160,8 +161,9 @@ def grace_over(*, waited: float, etas: Sequence[float | None], cfg: RoundConfig)
     return not expected and waited >= cfg.grace_min_s
 
 
-def check_contribution(*, codec: str, numel: int, tokens: int, staleness: int, expect_codec: str, expect_numel: int,
-                       max_staleness: int) -> str:
+def check_contribution(
+    *, codec: str, numel: int, tokens: int, staleness: int, expect_codec: str, expect_numel: int, max_staleness: int
+) -> str:
     """Why a contribution's header is refused ("" when it is admissible); checked before its tensor is decoded."""
     if codec != expect_codec:
         return f"codec {codec!r}, round uses {expect_codec!r}"

@@ -36,7 +36,12 @@ class StateServer:
 
     def __init__(self, node: Transport, fingerprint: str, *, max_concurrent: int = 4, timeout_s: float = 120.0,
                  control_timeout_s: float = 10.0, hooks: Hooks | None = None) -> None:
-        self.node, self.fingerprint, self.timeout_s, self.control_timeout_s = node, fingerprint, timeout_s, control_timeout_s
+        self.node, self.fingerprint, self.timeout_s, self.control_timeout_s = (
+            node,
+            fingerprint,
+            timeout_s,
+            control_timeout_s,
+        )
         self.handler_name = state_handler(node.run_id)
         self.state: ServedState | None = None
         self._slots = asyncio.Semaphore(max_concurrent)
@@ -54,7 +59,9 @@ class StateServer:
             req, _ = await read_frame(reader, pb.StateRequest, max_payload=0, timeout=control)
             state = self.state
             if req.run_id != self.node.run_id or req.fingerprint != self.fingerprint:
-                await write_frame(writer, pb.StateHeader(ok=False, message="run id or model fingerprint differs"), timeout=control)
+                await write_frame(
+                    writer, pb.StateHeader(ok=False, message="run id or model fingerprint differs"), timeout=control
+                )
                 return
             if state is None:
                 await write_frame(writer, pb.StateHeader(ok=False, message="no state yet"), timeout=control)
@@ -67,10 +74,14 @@ class StateServer:
                 start = min(req.offset, total)
                 end = total if req.length == 0 else min(total, start + req.length)
                 blob = self.hooks.served_state(state.blob)
-                header = pb.StateHeader(ok=True, round=state.round, state_hash=state.state_hash, total_bytes=total, offset=start)
+                header = pb.StateHeader(
+                    ok=True, round=state.round, state_hash=state.state_hash, total_bytes=total, offset=start
+                )
                 await write_frame(writer, header, memoryview(blob)[start:end], timeout=self.timeout_s)
-                await asyncio.wait_for(reader.read(1), self.timeout_s)  # wait for the client to close: all bytes arrived
-        except (WireError, asyncio.TimeoutError, ConnectionError) as exc:
+                await asyncio.wait_for(
+                    reader.read(1), self.timeout_s
+                )  # wait for the client to close: all bytes arrived
+        except (TimeoutError, WireError, ConnectionError) as exc:
             logger.debug("state download by a peer ended: %r", exc)
         finally:
             close_writer(writer)
@@ -80,11 +91,27 @@ def state_handler(run_id: str) -> str:
     return f"swarmloco/{run_id}/state/v{PROTOCOL_VERSION}"
 
 
-async def _fetch(node: Transport, name: str, donor: str, fingerprint: str, offset: int, length: int, *, expect_round: int,
-                 expect_hash: str, total: int, timeout: float, control: float) -> bytearray:
+async def _fetch(
+    node: Transport,
+    name: str,
+    donor: str,
+    fingerprint: str,
+    offset: int,
+    length: int,
+    *,
+    expect_round: int,
+    expect_hash: str,
+    total: int,
+    timeout: float,
+    control: float,
+) -> bytearray:
     reader, writer = await node.open_stream(donor, name, timeout=control)
     try:
-        await write_frame(writer, pb.StateRequest(run_id=node.run_id, fingerprint=fingerprint, offset=offset, length=length), timeout=control)
+        await write_frame(
+            writer,
+            pb.StateRequest(run_id=node.run_id, fingerprint=fingerprint, offset=offset, length=length),
+            timeout=control,
+        )
         header, body = await read_frame(reader, pb.StateHeader, max_payload=total, timeout=timeout)
     finally:
         close_writer(writer)
@@ -97,20 +124,35 @@ async def _fetch(node: Transport, name: str, donor: str, fingerprint: str, offse
     return body
 
 
-async def download_state(node: Transport, *, donors: list[str], round_number: int, state_hash: str, total_bytes: int,
-                         fingerprint: str, verify: Callable[[bytes], str], max_parallel: int = 4,
-                         timeout: float = 300.0, control_timeout: float = 15.0) -> tuple[bytearray, list[str]]:
+async def download_state(
+    node: Transport,
+    *,
+    donors: list[str],
+    round_number: int,
+    state_hash: str,
+    total_bytes: int,
+    fingerprint: str,
+    verify: Callable[[bytes], str],
+    max_parallel: int = 4,
+    timeout: float = 300.0,
+    control_timeout: float = 15.0,
+) -> tuple[bytearray, list[str]]:
     """Fetch and verify the state; returns (blob, failures: donors that failed or lied, plus "parallel-assembly" when
     the parallel download did not verify). Raises StateSyncError."""
     name = state_handler(node.run_id)
     bad: list[str] = []
     loop = asyncio.get_running_loop()
-    kw = dict(expect_round=round_number, expect_hash=state_hash, total=total_bytes, timeout=timeout, control=control_timeout)
+    kw = dict(
+        expect_round=round_number, expect_hash=state_hash, total=total_bytes, timeout=timeout, control=control_timeout
+    )
     parallel = donors[:max_parallel]
     if len(parallel) > 1:
         bounds = [total_bytes * i // len(parallel) for i in range(len(parallel) + 1)]
         parts = await asyncio.gather(
-            *(_fetch(node, name, d, fingerprint, bounds[i], bounds[i + 1] - bounds[i], **kw) for i, d in enumerate(parallel)),
+            *(
+                _fetch(node, name, d, fingerprint, bounds[i], bounds[i + 1] - bounds[i], **kw)
+                for i, d in enumerate(parallel)
+            ),
             return_exceptions=True,
         )
         if all(isinstance(p, bytearray) for p in parts):
@@ -122,7 +164,7 @@ async def download_state(node: Transport, *, donors: list[str], round_number: in
     for donor in donors:
         try:
             blob = await _fetch(node, name, donor, fingerprint, 0, 0, **kw)
-        except (StateSyncError, WireError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, StateSyncError, WireError, OSError) as exc:
             logger.info("donor %s failed: %s", donor[-8:], exc)
             bad.append(donor)
             continue

@@ -24,18 +24,22 @@ class WireError(ConnectionError):
     """The stream broke, timed out, or carried a frame that violates the caps or the schema."""
 
 
-async def write_frame(writer: asyncio.StreamWriter, header: Message, payload: bytes | memoryview = b"", *, timeout: float) -> None:
+async def write_frame(
+    writer: asyncio.StreamWriter, header: Message, payload: bytes | memoryview = b"", *, timeout: float
+) -> None:
     prefix = frame_prefix(header, len(payload))
     try:
         writer.write(prefix)
         if len(payload):
             writer.write(payload)  # the transport sends what it can now and buffers the rest (one copy at most)
         await asyncio.wait_for(writer.drain(), timeout)
-    except (asyncio.TimeoutError, OSError, RuntimeError) as exc:
+    except (TimeoutError, OSError, RuntimeError) as exc:
         raise WireError(f"sending {type(header).__name__} failed: {exc!r}") from exc
 
 
-async def read_frame(reader: asyncio.StreamReader, header_type: type[M], *, max_payload: int, timeout: float) -> tuple[M, bytearray]:
+async def read_frame(
+    reader: asyncio.StreamReader, header_type: type[M], *, max_payload: int, timeout: float
+) -> tuple[M, bytearray]:
     """Read one frame; the payload is returned as a writable bytearray (tensors can wrap it without a copy)."""
     try:
         length = header_length(await asyncio.wait_for(reader.readexactly(HEADER_LEN.size), timeout))
@@ -51,7 +55,7 @@ async def read_frame(reader: asyncio.StreamReader, header_type: type[M], *, max_
             got += len(chunk)
     except asyncio.IncompleteReadError as exc:
         raise WireError("stream closed by peer") from exc
-    except (asyncio.TimeoutError, OSError) as exc:
+    except (TimeoutError, OSError) as exc:
         raise WireError(f"reading {header_type.__name__} failed: {exc!r}") from exc
     return parse_header(header_type, raw), payload
 

@@ -4,7 +4,7 @@ Subcommands (each prints a markdown table of ratios measured side by side in one
   allreduce    our averaging vs torch.distributed gloo all_reduce vs hivemind DecentralizedAverager
   quality      eval loss of DiLoCo (M replicas, H inner steps, outer lr sweep) vs data-parallel at equal tokens
   comm         bytes per trained token: data-parallel ring all-reduce vs DiLoCo with each codec
-  utilisation  compute vs wait share of heterogeneous peers (needs protocol.bench_hooks), shaped-link self-check
+  utilisation  compute vs wait share of heterogeneous peers shaped-link self-check
   join         late-joiner state fetch vs moving the same bytes over a plain loopback socket
 The logic lives in scripts/bench_<name>.py; `--quick` shrinks every size for a CI smoke test.
 """

@@ -126,12 +126,14 @@ def _collect(out: Any, procs: Sequence[mp.process.BaseProcess], timeout: float) 
     while len(results) < len(procs):
         try:
             status, rank, payload = out.get(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
-        except queue.Empty:
+        except queue.Empty as exc:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"only {len(results)}/{len(procs)} workers reported within {timeout:.0f} s") from None
+                raise TimeoutError(
+                    f"only {len(results)}/{len(procs)} workers reported within {timeout:.0f} s"
+                ) from None
             dead = [p.pid for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
             if dead:
-                raise RuntimeError(f"workers {dead} died without reporting")
+                raise RuntimeError(f"workers {dead} died without reporting") from exc
             continue
         if status != "ok":
             raise RuntimeError(f"worker {rank}: {payload}")
@@ -143,7 +145,10 @@ def gloo_seconds(size_mb: float, peers: int, reps: int, timeout: float) -> list[
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=gloo_worker, args=(r, peers, port, _numel(size_mb), reps, out), daemon=True) for r in range(peers)]
+    procs = [
+        ctx.Process(target=gloo_worker, args=(r, peers, port, _numel(size_mb), reps, out), daemon=True)
+        for r in range(peers)
+    ]
     try:
         for p in procs:
             p.start()
@@ -156,8 +161,10 @@ def gloo_seconds(size_mb: float, peers: int, reps: int, timeout: float) -> list[
 def hivemind_seconds(size_mb: float, peers: int, reps: int, timeout: float) -> tuple[list[float], list[float]]:
     ctx = mp.get_context("spawn")
     out, peers_q, barrier = ctx.Queue(), ctx.Queue(), ctx.Barrier(peers)
-    procs = [ctx.Process(target=hivemind_worker, args=(r, peers, _numel(size_mb), reps, peers_q, barrier, out), daemon=False)
-             for r in range(peers)]
+    procs = [
+        ctx.Process(target=hivemind_worker, args=(r, peers, _numel(size_mb), reps, peers_q, barrier, out), daemon=False)
+        for r in range(peers)
+    ]
     try:
         for p in procs:
             p.start()
@@ -183,8 +190,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size-mb", type=int, nargs="+", default=[100], help="tensor sizes in MiB (fp32), e.g. 10 100")
     p.add_argument("--peers", type=int, nargs="+", default=[2], help="process counts, e.g. 2 4")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per method (median reported; >= 3)")
-    p.add_argument("--codecs", nargs="+", default=["fp32", "int8", "int4"],
-                   help="codecs passed to our averaging; fp32 is the lossless `ours_s`")
+    p.add_argument(
+        "--codecs",
+        nargs="+",
+        default=["fp32", "int8", "int4"],
+        help="codecs passed to our averaging; fp32 is the lossless `ours_s`",
+    )
     p.add_argument("--timeout", type=float, default=600, help="seconds allowed per method and configuration")
 
 
@@ -199,9 +210,18 @@ def run(args: argparse.Namespace) -> int:
             gloo = gloo_seconds(size, peers, reps, args.timeout)
             logger.info("allreduce %d MiB, %d peers: hivemind", size, peers)
             hv, hv_step = hivemind_seconds(size, peers, reps, args.timeout)
-            entry: dict[str, Any] = {"size_mb": size, "peers": peers, "reps": reps, "gloo_s": median(gloo),
-                                     "hivemind_s": median(hv), "hivemind_step_s": median(hv_step),
-                                     "gloo_all_s": gloo, "hivemind_all_s": hv, "ours_codec_s": {}, "ours_note": None}
+            entry: dict[str, Any] = {
+                "size_mb": size,
+                "peers": peers,
+                "reps": reps,
+                "gloo_s": median(gloo),
+                "hivemind_s": median(hv),
+                "hivemind_step_s": median(hv_step),
+                "gloo_all_s": gloo,
+                "hivemind_all_s": hv,
+                "ours_codec_s": {},
+                "ours_note": None,
+            }
             for codec in codecs:
                 logger.info("allreduce %d MiB, %d peers: ours (%s)", size, peers, codec)
                 times, why = ours_seconds(size, peers, reps, codec, args.timeout)
@@ -219,20 +239,48 @@ def run(args: argparse.Namespace) -> int:
             best = {c: s for c, s in entry["ours_codec_s"].items() if s is not None}
             fastest = min(best, key=lambda c: best[c]) if best else None
             ours_cell = "not available" if entry["ours_note"] == NOT_AVAILABLE else entry["ours_s"]
-            rows.append([size, peers, entry["gloo_s"], entry["hivemind_s"], entry["hivemind_step_s"], ours_cell,
-                         entry["hivemind_vs_gloo"], entry["ours_vs_gloo"],
-                         f"{fastest} {entry['ours_codec_vs_gloo'][fastest]:.3g}" if fastest else "—"])
+            rows.append(
+                [
+                    size,
+                    peers,
+                    entry["gloo_s"],
+                    entry["hivemind_s"],
+                    entry["hivemind_step_s"],
+                    ours_cell,
+                    entry["hivemind_vs_gloo"],
+                    entry["ours_vs_gloo"],
+                    f"{fastest} {entry['ours_codec_vs_gloo'][fastest]:.3g}" if fastest else "—",
+                ]
+            )
     if any(n.endswith(NOT_AVAILABLE) for n in notes):
         print(f"ours: {NOT_AVAILABLE}")
     notes = list(dict.fromkeys(notes)) + [
         f"median of {reps} reps per method after one warm-up, slowest peer per rep, 127.0.0.1, same run",
         "gloo: torch.distributed.all_reduce(SUM), barrier then one call",
-        ("hivemind: DecentralizedAverager allow_allreduce()→result() after the full group matched (matchmaking excluded); "
-         "hivemind .step() = the whole call including matchmaking (min_matchmaking_time 2 s)"),
+        (
+            "hivemind: DecentralizedAverager allow_allreduce()→result() after the full group matched "
+            "(matchmaking excluded); "
+            "hivemind .step() = the whole call including matchmaking (min_matchmaking_time 2 s)"
+        ),
         "ours fp32 = lossless; best codec = fastest of " + ", ".join(codecs) + " as time/gloo",
     ]
-    print(table("allreduce: one fp32 tensor, seconds and ratio to gloo",
-                ["MiB", "peers", "gloo s", "hivemind s", "hivemind .step() s", "ours fp32 s", "hivemind/gloo",
-                 "ours fp32/gloo", "ours best codec/gloo"], rows, notes))
+    print(
+        table(
+            "allreduce: one fp32 tensor, seconds and ratio to gloo",
+            [
+                "MiB",
+                "peers",
+                "gloo s",
+                "hivemind s",
+                "hivemind .step() s",
+                "ours fp32 s",
+                "hivemind/gloo",
+                "ours fp32/gloo",
+                "ours best codec/gloo",
+            ],
+            rows,
+            notes,
+        )
+    )
     write_json(args.json, {"benchmark": "allreduce", "quick": bool(args.quick), "results": results})
     return 0

@@ -69,7 +69,9 @@ def measured(codec: str, peers: int, timeout: float) -> tuple[dict[str, Any] | N
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", nargs="+", default=["tiny", "base"], help="model presets to compute for")
     p.add_argument("--peers", type=int, default=4, help="M: peers in the data-parallel ring and in a DiLoCo round")
-    p.add_argument("--inner-steps", type=int, nargs="+", default=[50, 100, 250, 500], help="H values (inner steps per round)")
+    p.add_argument(
+        "--inner-steps", type=int, nargs="+", default=[50, 100, 250, 500], help="H values (inner steps per round)"
+    )
     p.add_argument("--batch", type=int, default=0, help="sequences per peer step (0 = the task's default per preset)")
     p.add_argument("--codecs", nargs="+", default=list(CODECS), help="codecs to report")
     p.add_argument("--timeout", type=float, default=300, help="seconds allowed per measured round")
@@ -81,7 +83,9 @@ def run(args: argparse.Namespace) -> int:
     if m < 2:
         raise SystemExit("comm: --peers must be >= 2")
     # --quick measures one codec only (each measured round starts real peers)
-    measured_by_codec = {c: measured(c, m, args.timeout) if not args.quick or c == "fp32" else (None, "") for c in args.codecs}
+    measured_by_codec = {
+        c: measured(c, m, args.timeout) if not args.quick or c == "fp32" else (None, "") for c in args.codecs
+    }
     results: dict[str, Any] = {}
     rows, notes = [], []
     for preset in presets:
@@ -89,10 +93,19 @@ def run(args: argparse.Namespace) -> int:
         params, batch = sum(shapes), args.batch or default_batch
         tps = batch * context
         dp = dp_bytes_per_token(params, m, tps)
-        entry: dict[str, Any] = {"params": params, "batch": batch, "context": context, "peers": m,
-                                 "dp_bytes_per_token": dp, "codecs": {}}
-        rows.append([preset, "data-parallel (every step)", 4.0, 2 * (m - 1) / m * 4 * params / 1e6, dp]
-                    + [1.0] * len(hs) + ["—", "—"])
+        entry: dict[str, Any] = {
+            "params": params,
+            "batch": batch,
+            "context": context,
+            "peers": m,
+            "dp_bytes_per_token": dp,
+            "codecs": {},
+        }
+        rows.append(
+            [preset, "data-parallel (every step)", 4.0, 2 * (m - 1) / m * 4 * params / 1e6, dp]
+            + [1.0] * len(hs)
+            + ["—", "—"]
+        )
         for codec in args.codecs:
             enc = sum(codec_bytes(codec, n) for n in shapes)
             sent = 2 * (m - 1) / m * enc
@@ -107,28 +120,50 @@ def run(args: argparse.Namespace) -> int:
             elif why:
                 notes.append(f"measured: {why}" if why == NOT_AVAILABLE else f"measured ({codec}): {why}")
             entry["codecs"][codec] = {
-                "encoded_bytes": enc, "bytes_per_param": enc / params, "sent_per_peer_per_round": sent,
+                "encoded_bytes": enc,
+                "bytes_per_param": enc / params,
+                "sent_per_peer_per_round": sent,
                 "bytes_per_token": {str(h): v for h, v in per_h.items()},
                 "dp_over_diloco": {str(h): ratio(dp, v) for h, v in per_h.items()},
-                "measured": meas, "measured_bytes_per_param": meas_per_param, "measured_over_analytic": meas_vs,
+                "measured": meas,
+                "measured_bytes_per_param": meas_per_param,
+                "measured_over_analytic": meas_vs,
                 "measured_note": why or None,
             }
-            rows.append([preset, f"DiLoCo {codec} (every H steps)", enc / params, sent / 1e6, per_h[hs[len(hs) // 2]]]
-                        + [ratio(dp, per_h[h]) for h in hs] + [meas_per_param, f"{meas_vs:.4f}" if meas_vs else None])
+            rows.append(
+                [preset, f"DiLoCo {codec} (every H steps)", enc / params, sent / 1e6, per_h[hs[len(hs) // 2]]]
+                + [ratio(dp, per_h[h]) for h in hs]
+                + [meas_per_param, f"{meas_vs:.4f}" if meas_vs else None]
+            )
         results[preset] = entry
     mid = hs[len(hs) // 2]
     notes = list(dict.fromkeys(notes)) + [
-        (f"M = {m} peers; per-peer batch = task default (tiny 16, small 16, base 8 sequences) unless --batch; "
-         "data-parallel = ring all-reduce of fp32 gradients each step"),
+        (
+            f"M = {m} peers; per-peer batch = task default (tiny 16, small 16, base 8 sequences) unless --batch; "
+            "data-parallel = ring all-reduce of fp32 gradients each step"
+        ),
         "DiLoCo = star/leader-reduce: member sends encoded Δ, receives encoded average; mean over peers incl. leader",
         "int8/int4 = blockwise absmax, one fp16 scale per 64 elements; payload only (no headers)",
-        "DP÷DiLoCo = data-parallel bytes per token / DiLoCo bytes per token (goal DESIGN §3: >= 1000)",
-        ("measured = bench_hooks.measured_round_bytes: wire bytes sent per peer per round / (2·(M−1)/M · params), "
-         "i.e. bytes per parameter per encoded copy incl. headers; measured/analytic = wire / payload-only model"),
+        "DP÷DiLoCo = data-parallel bytes per token / DiLoCo bytes per token (goal: >= 1000)",
+        (
+            "measured = bench_hooks.measured_round_bytes: wire bytes sent per peer per round / (2·(M−1)/M · params), "
+            "i.e. bytes per parameter per encoded copy incl. headers; measured/analytic = wire / payload-only model"
+        ),
     ]
-    headers = ["preset", "scheme", "bytes/param", "sent/peer/round MB", f"bytes/token (H={mid})"] + \
-              [f"DP÷DiLoCo H={h}" for h in hs] + ["measured bytes/param", "measured/analytic"]
+    headers = (
+        ["preset", "scheme", "bytes/param", "sent/peer/round MB", f"bytes/token (H={mid})"]
+        + [f"DP÷DiLoCo H={h}" for h in hs]
+        + ["measured bytes/param", "measured/analytic"]
+    )
     print(table(f"comm: bytes sent per peer per trained token (analytic; M={m})", headers, rows, notes))
-    write_json(args.json, {"benchmark": "comm", "quick": bool(args.quick), "topology": "star (leader-reduce)",
-                           "inner_steps": hs, "results": results})
+    write_json(
+        args.json,
+        {
+            "benchmark": "comm",
+            "quick": bool(args.quick),
+            "topology": "star (leader-reduce)",
+            "inner_steps": hs,
+            "results": results,
+        },
+    )
     return 0

@@ -1,12 +1,13 @@
 """Shared helpers for the benchmark scripts: tables, JSON output, statistics, lazy hooks and child cleanup.
 
-Benchmarks print tables of *ratios* measured side by side in one run (DESIGN §3: this machine is shared and noisy),
-and write the same numbers as JSON. Every multi-process benchmark cleans up the processes it started, by pid.
+Benchmarks print tables of *ratios* measured side by side in one run (this machine is shared and noisy, so only
+same-run ratios mean something), and write the same numbers as JSON. Every multi-process benchmark cleans up the
+processes it started, by pid.
 """
+
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import logging
 import math
@@ -22,32 +23,16 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-# Where our side of the benchmarks lives: the first of these that exists is used.
-HOOKS_MODULES = ("scripts.bench_hooks", "protocol.bench_hooks")
-HOOKS_MODULE = HOOKS_MODULES[-1]
-NOT_AVAILABLE = f"not available ({' / '.join(HOOKS_MODULES)} missing)"
-
-
-def hooks_module_name() -> str | None:
-    """The importable hooks module, found without importing it (None when there is none yet)."""
-    for name in HOOKS_MODULES:
-        try:
-            if importlib.util.find_spec(name) is not None:
-                return name
-        except ImportError:
-            continue
-    return None
+# Our side of the benchmarks, imported lazily (in the child process that runs a measurement).
+HOOKS_MODULE = "scripts.bench_hooks"
+NOT_AVAILABLE = f"not available ({HOOKS_MODULE} lacks it)"
 
 
 def load_hook(name: str) -> tuple[Callable[..., Any] | None, str]:
-    """The named function from the hooks module, imported lazily; (None, reason) when it is not there yet."""
-    module_name = hooks_module_name()
-    if module_name is None:
-        return None, NOT_AVAILABLE
-    module = importlib.import_module(module_name)
-    fn = getattr(module, name, None)
+    """The named function of the hooks module; (None, reason) when there is no such function."""
+    fn = getattr(importlib.import_module(HOOKS_MODULE), name, None)
     if not callable(fn):
-        return None, f"not available ({module_name}.{name} missing)"
+        return None, NOT_AVAILABLE
     return fn, ""
 
 
@@ -76,8 +61,6 @@ def run_hook(name: str, *args: Any, timeout: float, optional: dict[str, Any] | N
     """
     import queue
 
-    if hooks_module_name() is None:
-        return None, NOT_AVAILABLE
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     proc = ctx.Process(target=_hook_child, args=(name, args, optional or {}, out), daemon=False)
@@ -117,7 +100,7 @@ def fmt(value: Any, digits: int = 3) -> str:
             return str(value)
         if value != 0 and (abs(value) >= 1e6 or abs(value) < 1e-3):
             return f"{value:.{digits - 1}e}"
-        return f"{value:.{digits}g}" if abs(value) < 10 ** digits else f"{value:,.0f}"
+        return f"{value:.{digits}g}" if abs(value) < 10**digits else f"{value:,.0f}"
     return str(value)
 
 
@@ -148,7 +131,13 @@ def machine_info() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    return {"nproc": os.cpu_count(), "cpu": cpu, "torch": torch.__version__, "hivemind": hv, "python": platform.python_version()}
+    return {
+        "nproc": os.cpu_count(),
+        "cpu": cpu,
+        "torch": torch.__version__,
+        "hivemind": hv,
+        "python": platform.python_version(),
+    }
 
 
 def write_json(path: str | None, payload: dict[str, Any]) -> None:

@@ -27,11 +27,15 @@ def _where(exc: BaseException) -> str:
     """The innermost frame of our own code an exception passed through (a bare TimeoutError() says nothing alone)."""
     import traceback
 
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if str(ROOT) in f.filename and ".venv" not in f.filename]
+    frames = [
+        f for f in traceback.extract_tb(exc.__traceback__) if str(ROOT) in f.filename and ".venv" not in f.filename
+    ]
     return f"{Path(frames[-1].filename).name}:{frames[-1].lineno} {frames[-1].line}" if frames else "?"
 
 
-def _allreduce_worker(index: int, bootstrap: list[str], numel: int, peers: int, reps: int, codec: str, out: Any) -> None:
+def _allreduce_worker(
+    index: int, bootstrap: list[str], numel: int, peers: int, reps: int, codec: str, out: Any
+) -> None:
     import torch
 
     from protocol.averager import Averager, Contribution
@@ -40,18 +44,33 @@ def _allreduce_worker(index: int, bootstrap: list[str], numel: int, peers: int, 
     from protocol.rounds import LocalModel, Outcome, RoundConfig
 
     torch.set_num_threads(1)
-    node = SwarmNode(NetworkConfig(run_id="bench", initial_peers=tuple(bootstrap), host_maddrs=("/ip4/127.0.0.1/tcp/0",), heartbeat_s=0.5))
+    node = SwarmNode(
+        NetworkConfig(
+            run_id="bench", initial_peers=tuple(bootstrap), host_maddrs=("/ip4/127.0.0.1/tcp/0",), heartbeat_s=0.5
+        )
+    )
     node.start()
     try:
         model = LocalModel(fingerprint="bench", config={"numel": numel}, numel=numel)
-        cfg = RoundConfig(quorum=peers, grace_min_s=0.0, grace_max_s=0.0, codec=codec, exchange_timeout_s=300, round_timeout_s=300)
+        cfg = RoundConfig(
+            quorum=peers, grace_min_s=0.0, grace_max_s=0.0, codec=codec, exchange_timeout_s=300, round_timeout_s=300
+        )
         averager = Averager(node, cfg, model)
         averager.start()
         delta = torch.randn(numel, generator=torch.Generator().manual_seed(index))
         results = []
         for rep in range(reps):
-            node.update_record(version=PROTOCOL_VERSION, fingerprint="bench", config_json="{}", round=rep, state_hash=HASH, ready=True,
-                               leading=0, eta=time.time(), updated=time.time())
+            node.update_record(
+                version=PROTOCOL_VERSION,
+                fingerprint="bench",
+                config_json="{}",
+                round=rep,
+                state_hash=HASH,
+                ready=True,
+                leading=0,
+                eta=time.time(),
+                updated=time.time(),
+            )
             averager.set_state(rep, HASH)
             # outlives round_timeout_s, so a matchmaking stall surfaces as form_group's own RoundAborted message
             group = averager.find_group(rep, HASH).result(timeout=cfg.round_timeout_s + 30)
@@ -60,8 +79,18 @@ def _allreduce_worker(index: int, bootstrap: list[str], numel: int, peers: int, 
             result = averager.run_round(group, Contribution(delta=delta, tokens=1000), apply=lambda average: HASH)
             if result.outcome != Outcome.COMMITTED:
                 raise RuntimeError(f"rep {rep}: round ended {result.outcome}: {result.reason}")
-            results.append({"rep": rep, "t0": t0, "t1": time.time(), "leader": group.is_leader, "sent": result.bytes_sent,
-                            "received": result.bytes_received, "members": len(group.members), "direct": result.direct})
+            results.append(
+                {
+                    "rep": rep,
+                    "t0": t0,
+                    "t1": time.time(),
+                    "leader": group.is_leader,
+                    "sent": result.bytes_sent,
+                    "received": result.bytes_received,
+                    "members": len(group.members),
+                    "direct": result.direct,
+                }
+            )
         out.put({"index": index, "results": results, "error": None})
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the measurement
         out.put({"index": index, "results": [], "error": f"{exc!r} at {_where(exc)}"})
@@ -78,7 +107,10 @@ def _run_allreduce(numel: int, peers: int, reps: int, codec: str, timeout: float
     procs = []
     try:
         bootstrap = [str(m) for m in bootstrap_dht.get_visible_maddrs()]
-        procs = [ctx.Process(target=_allreduce_worker, args=(i, bootstrap, numel, peers, reps, codec, queue), daemon=False) for i in range(peers)]
+        procs = [
+            ctx.Process(target=_allreduce_worker, args=(i, bootstrap, numel, peers, reps, codec, queue), daemon=False)
+            for i in range(peers)
+        ]
         for p in procs:
             p.start()
         outputs = [queue.get(timeout=timeout) for _ in procs]
@@ -116,8 +148,14 @@ def measured_round_bytes(codec: str, peers: int) -> dict[str, Any]:
     numel = 2**18
     outputs = _run_allreduce(numel, peers, 1, codec)
     rows = [o["results"][0] for o in outputs]
-    return {"params": numel, "sent_bytes": sum(r["sent"] for r in rows) / peers, "received_bytes": sum(r["received"] for r in rows) / peers,
-            "leader_sent_bytes": sum(r["sent"] for r in rows if r["leader"]), "topology": "star (leader-reduce)", "codec": codec}
+    return {
+        "params": numel,
+        "sent_bytes": sum(r["sent"] for r in rows) / peers,
+        "received_bytes": sum(r["received"] for r in rows) / peers,
+        "leader_sent_bytes": sum(r["sent"] for r in rows if r["leader"]),
+        "topology": "star (leader-reduce)",
+        "codec": codec,
+    }
 
 
 def _join_donor(preset: str, bootstrap: list[str], out: Any, stop: Any) -> None:
@@ -133,13 +171,22 @@ def _join_donor(preset: str, bootstrap: list[str], out: Any, stop: Any) -> None:
     params = {n: p.detach().float() for n, p in model.named_parameters()}
     momentum = {n: torch.full_like(p, 0.5) for n, p in params.items()}
     blob = pack_state(params, momentum, list(params))
-    node = SwarmNode(NetworkConfig(run_id="bench-join", initial_peers=tuple(bootstrap), host_maddrs=("/ip4/127.0.0.1/tcp/0",)))
+    node = SwarmNode(
+        NetworkConfig(run_id="bench-join", initial_peers=tuple(bootstrap), host_maddrs=("/ip4/127.0.0.1/tcp/0",))
+    )
     node.start()
     try:
         server = StateServer(node, "bench-join", max_concurrent=8)
         node.call(server.register(), timeout=30)
         server.publish(ServedState(round=1, state_hash=state_hash(params, momentum), blob=blob))
-        out.put({"peer_id": node.peer_id, "maddrs": node.visible_maddrs(), "hash": state_hash(params, momentum), "bytes": len(blob)})
+        out.put(
+            {
+                "peer_id": node.peer_id,
+                "maddrs": node.visible_maddrs(),
+                "hash": state_hash(params, momentum),
+                "bytes": len(blob),
+            }
+        )
         stop.wait(1800)
     finally:
         node.shutdown()
@@ -166,12 +213,27 @@ def join_seconds(preset: str, donors: int) -> float:
         def verify(blob: bytes) -> str:
             return blob_hash(blob, shapes, names)
 
-        node = SwarmNode(NetworkConfig(run_id="bench-join", initial_peers=tuple(m for i in infos for m in i["maddrs"]),
-                                       host_maddrs=("/ip4/127.0.0.1/tcp/0",)))
+        node = SwarmNode(
+            NetworkConfig(
+                run_id="bench-join",
+                initial_peers=tuple(m for i in infos for m in i["maddrs"]),
+                host_maddrs=("/ip4/127.0.0.1/tcp/0",),
+            )
+        )
         node.start()
         started = time.perf_counter()
-        _, bad = node.call(download_state(node, donors=[i["peer_id"] for i in infos], round_number=1, state_hash=infos[0]["hash"],
-                                          total_bytes=infos[0]["bytes"], fingerprint="bench-join", verify=verify), timeout=1200)
+        _, bad = node.call(
+            download_state(
+                node,
+                donors=[i["peer_id"] for i in infos],
+                round_number=1,
+                state_hash=infos[0]["hash"],
+                total_bytes=infos[0]["bytes"],
+                fingerprint="bench-join",
+                verify=verify,
+            ),
+            timeout=1200,
+        )
         elapsed = time.perf_counter() - started
         if bad:
             raise RuntimeError(f"download needed fallbacks: {bad}")
@@ -188,8 +250,14 @@ def join_seconds(preset: str, donors: int) -> float:
                 p.kill()
 
 
-def utilisation(slowdowns: list[float], mode: str, shaped: bool, netns: list[tuple[str, str]] | None = None,
-                rounds: int = 4, preset: str = "tiny") -> dict[str, Any]:
+def utilisation(
+    slowdowns: list[float],
+    mode: str,
+    shaped: bool,
+    netns: list[tuple[str, str]] | None = None,
+    rounds: int = 4,
+    preset: str = "tiny",
+) -> dict[str, Any]:
     """Run len(slowdowns) real peers and report compute/wait/wall seconds per peer.
 
     async: our decoupled rounds — quorum 2, a *time* budget per round (slow peers run fewer inner steps) and
@@ -199,12 +267,41 @@ def utilisation(slowdowns: list[float], mode: str, shaped: bool, netns: list[tup
     if shaped and not netns:
         raise RuntimeError("shaped runs need network namespaces (netns=[(name, address), ...])")
     n = len(slowdowns)
-    common = ["--preset", preset, "--max-rounds", str(rounds), "--threads", "1", "--log-format", "json", "--linger", "3",
-              "--checkpoint-every", "0", "--eval-every", "1000", "--grace-max", "5", "--round-timeout", "120", "--codec", "int8"]
+    common = [
+        "--preset",
+        preset,
+        "--max-rounds",
+        str(rounds),
+        "--threads",
+        "1",
+        "--log-format",
+        "json",
+        "--linger",
+        "3",
+        "--checkpoint-every",
+        "0",
+        "--eval-every",
+        "1000",
+        "--grace-max",
+        "5",
+        "--round-timeout",
+        "120",
+        "--codec",
+        "int8",
+    ]
     if mode == "async":
         common += ["--quorum", "2", "--round-seconds", "6", "--train-while-waiting"]
     elif mode == "sync":
-        common += ["--quorum", str(n), "--inner-steps", "40", "--no-train-while-waiting", "--no-close-early", "--grace-min", "0"]
+        common += [
+            "--quorum",
+            str(n),
+            "--inner-steps",
+            "40",
+            "--no-train-while-waiting",
+            "--no-close-early",
+            "--grace-min",
+            "0",
+        ]
     else:
         raise ValueError(f"mode: got {mode!r}, allowed async, sync")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
@@ -216,9 +313,25 @@ def utilisation(slowdowns: list[float], mode: str, shaped: bool, netns: list[tup
                 host = netns[i][1] if netns else "127.0.0.1"
                 workdir = Path(tmp) / f"peer-{i}"
                 workdir.mkdir()
-                argv = [sys.executable, "-m", "scripts.cli", "peer", *common, "--slowdown", str(slow), "--workdir", str(workdir),
-                        "--shard-index", str(i), "--num-shards", str(n), "--summary-json", str(workdir / "summary.json"),
-                        "--host-maddr", f"/ip4/{host}/tcp/0"]
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "scripts.cli",
+                    "peer",
+                    *common,
+                    "--slowdown",
+                    str(slow),
+                    "--workdir",
+                    str(workdir),
+                    "--shard-index",
+                    str(i),
+                    "--num-shards",
+                    str(n),
+                    "--summary-json",
+                    str(workdir / "summary.json"),
+                    "--host-maddr",
+                    f"/ip4/{host}/tcp/0",
+                ]
                 for maddr in bootstrap:
                     argv += ["--initial-peer", maddr]
                 if netns:
@@ -233,12 +346,23 @@ def utilisation(slowdowns: list[float], mode: str, shaped: bool, netns: list[tup
             for i in range(n):
                 path = Path(tmp) / f"peer-{i}" / "summary.json"
                 if not path.exists():
-                    raise RuntimeError(f"peer {i} wrote no summary; see its stderr:\n{(Path(tmp) / f'peer-{i}' / 'stderr.log').read_text()[-2000:]}")
+                    raise RuntimeError(
+                        f"peer {i} wrote no summary; see its stderr:\n"
+                        f"{(Path(tmp) / f'peer-{i}' / 'stderr.log').read_text()[-2000:]}"
+                    )
                 s = json.loads(path.read_text())
                 committed = [h for h in s["history"] if h.get("outcome") == "committed"]
-                peers.append({"slowdown": slowdowns[i], "compute_s": s["compute_s"], "wall_s": s["wall_s"],
-                              "wait_s": max(0.0, s["wall_s"] - s["compute_s"]), "rounds_committed": len(committed),
-                              "tokens": s["tokens"], "final_eval_loss": s["final_eval_loss"]})
+                peers.append(
+                    {
+                        "slowdown": slowdowns[i],
+                        "compute_s": s["compute_s"],
+                        "wall_s": s["wall_s"],
+                        "wait_s": max(0.0, s["wall_s"] - s["compute_s"]),
+                        "rounds_committed": len(committed),
+                        "tokens": s["tokens"],
+                        "final_eval_loss": s["final_eval_loss"],
+                    }
+                )
             return {"mode": mode, "shaped": shaped, "peers": peers}
         finally:
             for p in procs:

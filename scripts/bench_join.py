@@ -55,24 +55,51 @@ def run(args: argparse.Namespace) -> int:
     rows, notes, results = [], [], {}
     for donors in donor_counts:
         sock = [socket_seconds(nbytes, streams=donors, timeout=args.timeout) for _ in range(reps)]
-        ours, why = (None, "skipped in --quick") if args.quick and donors > 1 else ours_join(preset, donors, reps, args.timeout)
+        ours, why = (
+            (None, "skipped in --quick") if args.quick and donors > 1 else ours_join(preset, donors, reps, args.timeout)
+        )
         if why:
             notes.append(f"ours ({donors} donors): {why}")
         sock_s = float(median(sock) or 0.0)
-        entry: dict[str, Any] = {"donors": donors, "bytes": nbytes, "socket_s": sock_s, "socket_all_s": sock,
-                                 "socket_mib_s": nbytes / sock_s / 2**20, "ours_s": median(ours), "ours_note": why or None}
+        entry: dict[str, Any] = {
+            "donors": donors,
+            "bytes": nbytes,
+            "socket_s": sock_s,
+            "socket_all_s": sock,
+            "socket_mib_s": nbytes / sock_s / 2**20,
+            "ours_s": median(ours),
+            "ours_note": why or None,
+        }
         entry["ours_vs_socket"] = ratio(entry["ours_s"], entry["socket_s"])
         results[str(donors)] = entry
-        rows.append([donors, nbytes / 2**20, entry["socket_s"], entry["socket_mib_s"],
-                     "not available" if why == NOT_AVAILABLE else entry["ours_s"], entry["ours_vs_socket"]])
+        rows.append(
+            [
+                donors,
+                nbytes / 2**20,
+                entry["socket_s"],
+                entry["socket_mib_s"],
+                "not available" if why == NOT_AVAILABLE else entry["ours_s"],
+                entry["ours_vs_socket"],
+            ]
+        )
     if any(n.endswith(NOT_AVAILABLE) for n in notes):
         print(f"ours: {NOT_AVAILABLE}")
     notes = list(dict.fromkeys(notes)) + [
         f"preset {preset}: {params:,} parameters; state = fp32 θ + fp32 outer momentum = {nbytes:,} bytes",
-        f"plain socket: one TCP connection per donor on 127.0.0.1, each sending 1/donors of the bytes; median of {reps}",
+        "plain socket: one TCP connection per donor on 127.0.0.1, each sending 1/donors of the bytes; "
+        f"median of {reps}",
         "ours = bench_hooks.join_seconds: first request → hash-verified state held by the joiner",
     ]
-    print(table("join: fetching the global state, seconds", ["donors", "MiB", "plain socket s", "socket MiB/s", "ours s",
-                                                             "ours/socket"], rows, notes))
-    write_json(args.json, {"benchmark": "join", "quick": bool(args.quick), "preset": preset, "params": params, "results": results})
+    print(
+        table(
+            "join: fetching the global state, seconds",
+            ["donors", "MiB", "plain socket s", "socket MiB/s", "ours s", "ours/socket"],
+            rows,
+            notes,
+        )
+    )
+    write_json(
+        args.json,
+        {"benchmark": "join", "quick": bool(args.quick), "preset": preset, "params": params, "results": results},
+    )
     return 0

@@ -106,8 +106,13 @@ def socket_seconds(nbytes: int, *, streams: int = 1, host: str = "127.0.0.1", re
     me = [sys.executable, "-m", "scripts.bench_net"]
     procs: list[subprocess.Popen[Any]] = []
     try:
-        recv = subprocess.Popen([*receiver_prefix, *me, "recv", host, str(streams), str(nbytes)], stdout=subprocess.PIPE,
-                                text=True, env=env, cwd=ROOT)
+        recv = subprocess.Popen(
+            [*receiver_prefix, *me, "recv", host, str(streams), str(nbytes)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
         procs.append(recv)
         port = _readline(recv, timeout)
         parts = [nbytes // streams + (1 if i < nbytes % streams else 0) for i in range(streams)]
@@ -170,7 +175,22 @@ def shaped_star(peers: int, *, rate: str = "100mbit", tag: str | None = None) ->
             _ip("ip", "link", "set", f"v{i}", "master", "br0", ns=hub)
             _ip("ip", "link", "set", f"v{i}", "up", ns=hub)
             for dev, where in (("eth0", ns), (f"v{i}", hub)):
-                _ip("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "32kbit", "latency", "400ms", ns=where)
+                _ip(
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    dev,
+                    "root",
+                    "tbf",
+                    "rate",
+                    rate,
+                    "burst",
+                    "32kbit",
+                    "latency",
+                    "400ms",
+                    ns=where,
+                )
             out.append(Netns(ns, addr))
         yield out
     finally:
@@ -183,7 +203,9 @@ def shaped_star(peers: int, *, rate: str = "100mbit", tag: str | None = None) ->
 def shaped_link_check(nbytes: int, *, rate: str = "100mbit") -> dict[str, float | str]:
     """Throughput of one TCP transfer between two shaped namespaces (should be close to `rate`)."""
     with shaped_star(2, rate=rate) as (a, b):
-        seconds = socket_seconds(nbytes, host=b.address, receiver_prefix=b.prefix, sender_prefixes=[a.prefix], timeout=120)
+        seconds = socket_seconds(
+            nbytes, host=b.address, receiver_prefix=b.prefix, sender_prefixes=[a.prefix], timeout=120
+        )
     return {"rate": rate, "bytes": nbytes, "seconds": seconds, "mbit_s": nbytes * 8 / seconds / 1e6}
 
 

@@ -3,9 +3,10 @@ for our asynchronous quorum rounds and for a synchronous wait-for-everyone mode 
 with every peer in its own network namespace behind a link shaped to 100 Mbit/s.
 
 The swarm runs come from the hooks module's `utilisation(slowdowns, mode, shaped, netns=None)` (scripts.bench_hooks,
-else protocol.bench_hooks; called in a child process with a timeout; null when missing). `netns` lists
-(namespace, address) per peer, created here by `scripts.bench_net.shaped_star`. A self-check first measures a TCP transfer through one shaped link (~100 Mbit/s).
+called in a child process with a timeout). `netns` lists (namespace, address) per peer, created here by
+`scripts.bench_net.shaped_star`. A self-check first measures a TCP transfer through one shaped link (~100 Mbit/s).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,7 +16,6 @@ from typing import Any
 
 from scripts.bench_common import (
     NOT_AVAILABLE,
-    hooks_module_name,
     run_hook,
     table,
     write_json,
@@ -27,9 +27,9 @@ logger = logging.getLogger(__name__)
 MODES = ("async", "sync")
 
 
-def call_hook(slowdowns: list[float], mode: str, shaped: bool, timeout: float, *, rounds: int | None = None) -> tuple[dict[str, Any] | None, str]:
-    if not hook_available():
-        return None, NOT_AVAILABLE
+def call_hook(
+    slowdowns: list[float], mode: str, shaped: bool, timeout: float, *, rounds: int | None = None
+) -> tuple[dict[str, Any] | None, str]:
     try:
         with contextlib.ExitStack() as stack:
             optional: dict[str, Any] = {} if rounds is None else {"rounds": rounds}
@@ -40,10 +40,6 @@ def call_hook(slowdowns: list[float], mode: str, shaped: bool, timeout: float, *
     except NetnsUnavailable as exc:
         return None, f"skipped: {exc}"
     return (dict(value), "") if value is not None else (None, why)
-
-
-def hook_available() -> bool:
-    return hooks_module_name() is not None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,9 +60,14 @@ def run(args: argparse.Namespace) -> int:
         except NetnsUnavailable as exc:
             check_note = f"shaped-link self-check skipped: {exc}"
     if check:
-        print(table("utilisation: shaped-link self-check", ["tc rate", "MiB", "seconds", "measured Mbit/s"],
-                    [[check["rate"], check_mb, check["seconds"], check["mbit_s"]]],
-                    ["one TCP stream between two of our namespaces over veth+bridge, tbf on both ends of each veth"]))
+        print(
+            table(
+                "utilisation: shaped-link self-check",
+                ["tc rate", "MiB", "seconds", "measured Mbit/s"],
+                [[check["rate"], check_mb, check["seconds"], check["mbit_s"]]],
+                ["one TCP stream between two of our namespaces over veth+bridge, tbf on both ends of each veth"],
+            )
+        )
     elif check_note:
         print(check_note)
     rows, notes, runs = [], [check_note] if check_note else [], []
@@ -79,18 +80,56 @@ def run(args: argparse.Namespace) -> int:
             logger.info("utilisation %s shaped=%s: %s", mode, shaped, out if out is not None else why)
             if out is None:
                 notes.append(f"{mode}, {'100 Mbit/s' if shaped else 'loopback'}: {why}")
-                rows.append([mode, shaped, "—", "not available" if why == NOT_AVAILABLE else "failed", "—", "—", "—", "—"])
+                rows.append(
+                    [mode, shaped, "—", "not available" if why == NOT_AVAILABLE else "failed", "—", "—", "—", "—"]
+                )
                 continue
-            for slow, peer in zip(slowdowns, out.get("peers", [])):
+            for slow, peer in zip(slowdowns, out.get("peers", []), strict=False):
                 wall = float(peer["wall_s"]) or float("nan")
-                rows.append([mode, shaped, slow, float(peer["compute_s"]) / wall, float(peer["wait_s"]) / wall, wall,
-                             peer.get("rounds_committed"), peer.get("tokens")])
+                rows.append(
+                    [
+                        mode,
+                        shaped,
+                        slow,
+                        float(peer["compute_s"]) / wall,
+                        float(peer["wait_s"]) / wall,
+                        wall,
+                        peer.get("rounds_committed"),
+                        peer.get("tokens"),
+                    ]
+                )
     if any(n.endswith(NOT_AVAILABLE) for n in notes):
         print(f"ours: {NOT_AVAILABLE}")
-    notes += ["compute share = compute_s / wall_s per peer; wait = time blocked on rounds (goal DESIGN §3: >= 97% compute)"]
-    print(table(f"utilisation: peers slowed {', '.join(f'{s:g}x' for s in slowdowns)}",
-                ["mode", "shaped 100 Mbit/s", "slowdown", "compute share", "wait share", "wall s", "rounds committed",
-                 "tokens"], rows, notes))
-    write_json(args.json, {"benchmark": "utilisation", "quick": bool(args.quick), "slowdowns": slowdowns,
-                           "shaped_link_check": check, "shaped_link_note": check_note or None, "runs": runs})
+    notes += [
+        "compute share = compute_s / wall_s per peer; wait = time blocked on rounds "
+        "(goal: >= 97% compute for every peer)"
+    ]
+    print(
+        table(
+            f"utilisation: peers slowed {', '.join(f'{s:g}x' for s in slowdowns)}",
+            [
+                "mode",
+                "shaped 100 Mbit/s",
+                "slowdown",
+                "compute share",
+                "wait share",
+                "wall s",
+                "rounds committed",
+                "tokens",
+            ],
+            rows,
+            notes,
+        )
+    )
+    write_json(
+        args.json,
+        {
+            "benchmark": "utilisation",
+            "quick": bool(args.quick),
+            "slowdowns": slowdowns,
+            "shaped_link_check": check,
+            "shaped_link_note": check_note or None,
+            "runs": runs,
+        },
+    )
     return 0

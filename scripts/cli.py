@@ -7,24 +7,23 @@ import sys
 from collections.abc import Callable, Sequence
 
 
-def _commands() -> dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]]:
+def _commands() -> dict[
+    str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+]:
+    from coordinator.cli import add_coordinator_arguments, add_status_arguments, run_coordinator, run_status
     from peer.cli import add_peer_arguments, run_peer
+    from scripts.swarm import add_swarm_arguments, run_swarm
 
-    commands = {"peer": ("run one training peer (solo or joining a swarm)", add_peer_arguments, run_peer)}
-    try:
-        from scripts.swarm import add_swarm_arguments, run_swarm
-    except ImportError:
-        pass
-    else:
-        commands["swarm"] = ("start a local multi-peer swarm on loopback", add_swarm_arguments, run_swarm)
-    try:
-        from coordinator.cli import add_coordinator_arguments, add_status_arguments, run_coordinator, run_status
-    except ImportError:
-        pass
-    else:
-        commands["coordinator"] = ("run the coordinator: HTTP API, dashboard and DHT bootstrap", add_coordinator_arguments, run_coordinator)
-        commands["status"] = ("print a run summary from a coordinator", add_status_arguments, run_status)
-    return commands
+    return {
+        "peer": ("run one training peer (solo or joining a swarm)", add_peer_arguments, run_peer),
+        "swarm": ("start a local multi-peer swarm on loopback", add_swarm_arguments, run_swarm),
+        "coordinator": (
+            "run the coordinator: HTTP API, dashboard and DHT bootstrap",
+            add_coordinator_arguments,
+            run_coordinator,
+        ),
+        "status": ("print a run summary from a coordinator", add_status_arguments, run_status),
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def generate(out_dir: Path) -> Path:
     from grpc_tools import protoc
 
-    code = protoc.main(["protoc", f"-I{ROOT / 'protocol'}", f"--python_out={out_dir}", str(ROOT / "protocol" / "swarmloco_wire.proto")])
+    code = protoc.main(
+        ["protoc", f"-I{ROOT / 'protocol'}", f"--python_out={out_dir}", str(ROOT / "protocol" / "swarmloco_wire.proto")]
+    )
     if code != 0:
         raise SystemExit(f"protoc failed with exit code {code}")
     return out_dir / "swarmloco_wire_pb2.py"

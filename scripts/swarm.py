@@ -31,16 +31,38 @@ def add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inner-steps", type=int, default=30, help="H: inner steps per round")
     parser.add_argument("--quorum", type=int, default=0, help="K, minimum group size (0 = half the peers, at least 2)")
     parser.add_argument("--codec", default="int8", help="pseudo-gradient codec: fp32, fp16, bf16, int8, int4")
-    parser.add_argument("--workdir", default="runs/swarm", help="directory for per-peer logs, checkpoints and identities")
-    parser.add_argument("--slowdown", default="", help="per-peer slowdown factors, e.g. 1,1,2,4 (a peer with 4 sleeps 3x its step time after every step)")
-    parser.add_argument("--kill-every", type=float, default=0.0, help="SIGKILL a random peer every this many seconds and restart it (chaos demo)")
+    parser.add_argument(
+        "--workdir", default="runs/swarm", help="directory for per-peer logs, checkpoints and identities"
+    )
+    parser.add_argument(
+        "--slowdown",
+        default="",
+        help="per-peer slowdown factors, e.g. 1,1,2,4 (a peer with 4 sleeps 3x its step time after every step)",
+    )
+    parser.add_argument(
+        "--kill-every",
+        type=float,
+        default=0.0,
+        help="SIGKILL a random peer every this many seconds and restart it (chaos demo)",
+    )
     parser.add_argument("--summary-json", default=None, help="write per-round records and eval losses here")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="give up (and stop every peer) after this many seconds")
+    parser.add_argument(
+        "--timeout", type=float, default=1800.0, help="give up (and stop every peer) after this many seconds"
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads per peer (0 = cores / peers)")
-    parser.add_argument("--coordinator", default=None, help="report to this existing coordinator URL instead of starting one")
-    parser.add_argument("--no-coordinator", action="store_true", help="start no coordinator (peers then report nowhere)")
+    parser.add_argument(
+        "--coordinator", default=None, help="report to this existing coordinator URL instead of starting one"
+    )
+    parser.add_argument(
+        "--no-coordinator", action="store_true", help="start no coordinator (peers then report nowhere)"
+    )
     parser.add_argument("--run-id", default="local-swarm", help="run id (DHT namespace and coordinator run)")
-    parser.add_argument("--peer-arg", action="append", default=[], help="extra argument passed to every peer (repeatable), e.g. --peer-arg=--round-seconds=5")
+    parser.add_argument(
+        "--peer-arg",
+        action="append",
+        default=[],
+        help="extra argument passed to every peer (repeatable), e.g. --peer-arg=--round-seconds=5",
+    )
 
 
 @dataclass
@@ -107,15 +129,56 @@ def _become_subreaper() -> None:
         pass
 
 
-def _peer_argv(args: argparse.Namespace, i: int, workdir: Path, bootstrap: list[str], slowdowns: list[float], threads: int,
-               coordinator_url: str | None) -> list[str]:
+def _peer_argv(
+    args: argparse.Namespace,
+    i: int,
+    workdir: Path,
+    bootstrap: list[str],
+    slowdowns: list[float],
+    threads: int,
+    coordinator_url: str | None,
+) -> list[str]:
     quorum = args.quorum or min(args.peers, max(2, args.peers // 2))
-    argv = [sys.executable, "-m", "scripts.cli", "peer", "--preset", args.preset, "--max-rounds", str(args.rounds),
-            "--inner-steps", str(args.inner_steps), "--quorum", str(quorum), "--codec", args.codec,
-            "--workdir", str(workdir), "--shard-index", str(i), "--num-shards", str(args.peers), "--log-format", "json",
-            "--summary-json", str(workdir / "summary.json"), "--host-maddr", "/ip4/127.0.0.1/tcp/0", "--threads", str(threads),
-            "--slowdown", str(slowdowns[i]), "--linger", "5", "--checkpoint-every", "1", "--run-id", args.run_id,
-            "--wait-for-peers", str(args.peers)]
+    argv = [
+        sys.executable,
+        "-m",
+        "scripts.cli",
+        "peer",
+        "--preset",
+        args.preset,
+        "--max-rounds",
+        str(args.rounds),
+        "--inner-steps",
+        str(args.inner_steps),
+        "--quorum",
+        str(quorum),
+        "--codec",
+        args.codec,
+        "--workdir",
+        str(workdir),
+        "--shard-index",
+        str(i),
+        "--num-shards",
+        str(args.peers),
+        "--log-format",
+        "json",
+        "--summary-json",
+        str(workdir / "summary.json"),
+        "--host-maddr",
+        "/ip4/127.0.0.1/tcp/0",
+        "--threads",
+        str(threads),
+        "--slowdown",
+        str(slowdowns[i]),
+        "--linger",
+        "5",
+        "--checkpoint-every",
+        "1",
+        "--run-id",
+        args.run_id,
+        "--wait-for-peers",
+        str(args.peers),
+    ]
     if coordinator_url:
         argv += ["--coordinator", coordinator_url]
     for maddr in bootstrap:
@@ -123,12 +186,29 @@ def _peer_argv(args: argparse.Namespace, i: int, workdir: Path, bootstrap: list[
     return argv + list(args.peer_arg)
 
 
-def start_coordinator(root: Path, run_id: str, env: dict[str, str], *, timeout: float = 90.0) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+def start_coordinator(
+    root: Path, run_id: str, env: dict[str, str], *, timeout: float = 90.0
+) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     """Start `python -m coordinator` on a free port (its own session) and wait for its ready file."""
     ready = root / "coordinator.json"
     ready.unlink(missing_ok=True)
-    argv = [sys.executable, "-m", "coordinator", "--db", str(root / "coordinator.sqlite"), "--host", "127.0.0.1", "--port", "0",
-            "--dht-host", "127.0.0.1", "--ready-file", str(ready), "--run-id", run_id]
+    argv = [
+        sys.executable,
+        "-m",
+        "coordinator",
+        "--db",
+        str(root / "coordinator.sqlite"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--dht-host",
+        "127.0.0.1",
+        "--ready-file",
+        str(ready),
+        "--run-id",
+        run_id,
+    ]
     with open(root / "coordinator.log", "ab") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=log, env=env, start_new_session=True)
     deadline = time.monotonic() + timeout
@@ -162,11 +242,20 @@ def merge_rounds(peers: list[PeerProc]) -> list[dict[str, Any]]:
         for e in p.events:
             if e.get("event") != "round" or e.get("outcome") not in ("committed", "hash_mismatch"):
                 continue
-            rec = by_round.setdefault(int(e["round"]), {"round": int(e["round"]), "hashes": {}, "leader": e.get("leader")})
+            rec = by_round.setdefault(
+                int(e["round"]), {"round": int(e["round"]), "hashes": {}, "leader": e.get("leader")}
+            )
             rec["hashes"][f"peer-{p.index}"] = e.get("state_hash_full") or e.get("state_hash")
             if e.get("role") == "leader":
-                rec.update(members=e.get("member_count"), train_s=e.get("train_s"), wait_s=e.get("wait_s"), average_s=e.get("average_s"),
-                           eval_loss=e.get("eval_loss"), weights=e.get("weights"), excluded=e.get("excluded"))
+                rec.update(
+                    members=e.get("member_count"),
+                    train_s=e.get("train_s"),
+                    wait_s=e.get("wait_s"),
+                    average_s=e.get("average_s"),
+                    eval_loss=e.get("eval_loss"),
+                    weights=e.get("weights"),
+                    excluded=e.get("excluded"),
+                )
     for rec in by_round.values():
         rec["outcome"] = "committed" if len(set(rec["hashes"].values())) == 1 else "split"
     return [by_round[k] for k in sorted(by_round)]
@@ -187,20 +276,34 @@ def run_swarm(args: argparse.Namespace) -> int:
     root = Path(args.workdir)
     root.mkdir(parents=True, exist_ok=True)
     threads = args.threads or max(1, (os.cpu_count() or 2) // args.peers)
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(Path(__file__).resolve().parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=str(threads),
+        PYTHONPATH=str(Path(__file__).resolve().parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     coordinator: subprocess.Popen[bytes] | None = None
     bootstrap_dht = None
     coordinator_url = args.coordinator
     if not args.coordinator and not args.no_coordinator:
         coordinator, info = start_coordinator(root, args.run_id, env)
         coordinator_url, bootstrap = info["url"], list(info["dht_maddrs"])
-        print(f"coordinator: dashboard at {coordinator_url}/  (API {coordinator_url}/api/rounds, metrics {coordinator_url}/metrics)", flush=True)
+        print(
+            f"coordinator: dashboard at {coordinator_url}/  "
+            f"(API {coordinator_url}/api/rounds, metrics {coordinator_url}/metrics)",
+            flush=True,
+        )
     else:
         bootstrap_dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         bootstrap = [str(m) for m in bootstrap_dht.get_visible_maddrs()]
     print(f"bootstrap DHT node: {bootstrap[0]}", flush=True)
-    peers = [PeerProc(i, root / f"peer-{i}", _peer_argv(args, i, root / f"peer-{i}", bootstrap, slowdowns, threads, coordinator_url))
-             for i in range(args.peers)]
+    peers = [
+        PeerProc(
+            i,
+            root / f"peer-{i}",
+            _peer_argv(args, i, root / f"peer-{i}", bootstrap, slowdowns, threads, coordinator_url),
+        )
+        for i in range(args.peers)
+    ]
     started, kills, last_kill, best_round = time.monotonic(), [], time.monotonic(), 0
     try:
         for p in peers:
@@ -212,9 +315,12 @@ def run_swarm(args: argparse.Namespace) -> int:
                 for e in p.read_events():
                     if e.get("event") == "round" and e.get("outcome") == "committed" and int(e["round"]) > best_round:
                         best_round = int(e["round"])
-                        print(f"round {best_round}/{args.rounds} committed by {e.get('member_count')} peers"
-                              f" | eval loss {e.get('eval_loss')} | hash {str(e.get('state_hash'))[:12]}"
-                              f" | train {e.get('train_s')}s wait {e.get('wait_s')}s average {e.get('average_s')}s", flush=True)
+                        print(
+                            f"round {best_round}/{args.rounds} committed by {e.get('member_count')} peers"
+                            f" | eval loss {e.get('eval_loss')} | hash {str(e.get('state_hash'))[:12]}"
+                            f" | train {e.get('train_s')}s wait {e.get('wait_s')}s average {e.get('average_s')}s",
+                            flush=True,
+                        )
             elapsed = time.monotonic() - started
             if elapsed > args.timeout:
                 logger.error("swarm did not finish within %.0fs; stopping peers", args.timeout)
@@ -255,20 +361,33 @@ def run_swarm(args: argparse.Namespace) -> int:
         if path.exists():
             summaries[f"peer-{p.index}"] = json.loads(path.read_text())
     rounds = merge_rounds(peers)
-    finals = [s for s in summaries.values() if s.get("rounds") == max((x.get("rounds", 0) for x in summaries.values()), default=0)]
+    finals = [
+        s
+        for s in summaries.values()
+        if s.get("rounds") == max((x.get("rounds", 0) for x in summaries.values()), default=0)
+    ]
     summary = {
-        "peers": args.peers, "rounds_requested": args.rounds, "preset": args.preset, "codec": args.codec,
+        "peers": args.peers,
+        "rounds_requested": args.rounds,
+        "preset": args.preset,
+        "codec": args.codec,
         # every fresh peer evaluates the same θ_0 before syncing, so these agree; a peer restarted without a
         # checkpoint still evaluates θ_0, never the synced state
         "initial_eval_loss": max((s["initial_eval_loss"] for s in summaries.values()), default=None),
         "final_eval_loss": finals[0]["final_eval_loss"] if finals else None,
         "final_state_hashes": {k: s.get("state_hash") for k, s in summaries.items()},
-        "rounds": rounds, "kills": kills, "wall_s": round(time.monotonic() - started, 2), "peer_summaries": summaries,
+        "rounds": rounds,
+        "kills": kills,
+        "wall_s": round(time.monotonic() - started, 2),
+        "peer_summaries": summaries,
     }
     if args.summary_json:
         Path(args.summary_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.summary_json).write_text(json.dumps(summary, indent=2))
     ok = bool(rounds) and all(r["outcome"] == "committed" for r in rounds) and len(summaries) == args.peers
-    print(f"done: {len(rounds)} rounds, eval loss {summary['initial_eval_loss']} -> {summary['final_eval_loss']},"
-          f" {'all hashes equal' if ok else 'SEE SUMMARY: not every round agreed'}", flush=True)
+    print(
+        f"done: {len(rounds)} rounds, eval loss {summary['initial_eval_loss']} -> {summary['final_eval_loss']},"
+        f" {'all hashes equal' if ok else 'SEE SUMMARY: not every round agreed'}",
+        flush=True,
+    )
     return 0 if ok else 1

@@ -32,7 +32,8 @@ def kill_leftover_children() -> Iterator[None]:
     yield
     for pid in _descendants(os.getpid()):
         if _SHM_MANAGER in _cmdline(pid):
-            continue  # torch's shared-memory manager exits by itself with us; killing it aborts this process at exit (EPIPE)
+            # torch's shared-memory manager exits by itself with us; killing it aborts this process at exit (EPIPE)
+            continue
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -54,7 +55,14 @@ def cli_env() -> dict[str, str]:
     return env
 
 
-def run_cli(args: list[str], env: dict[str, str], *, timeout: float = 240, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    args: list[str], env: dict[str, str], *, timeout: float = 240, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "scripts.cli", *args], env=env, cwd=cwd or ROOT, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "scripts.cli", *args],
+        env=env,
+        cwd=cwd or ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )

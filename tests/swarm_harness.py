@@ -12,14 +12,35 @@ from pathlib import Path
 from typing import Any
 
 import hivemind
-
 from conftest import _SHM_MANAGER, ROOT, _cmdline, _descendants
+
 from protocol.identity import load_or_create_identity
 from scripts.swarm import PeerProc
 
-FAST = ["--preset", "tiny", "--batch-size", "4", "--threads", "1", "--warmup-steps", "5", "--inner-lr", "1e-3",
-        "--grace-min", "0.3", "--grace-max", "3", "--round-timeout", "40", "--exchange-timeout", "20", "--eval-every", "1",
-        "--checkpoint-every", "0"]
+FAST = [
+    "--preset",
+    "tiny",
+    "--batch-size",
+    "4",
+    "--threads",
+    "1",
+    "--warmup-steps",
+    "5",
+    "--inner-lr",
+    "1e-3",
+    "--grace-min",
+    "0.3",
+    "--grace-max",
+    "3",
+    "--round-timeout",
+    "40",
+    "--exchange-timeout",
+    "20",
+    "--eval-every",
+    "1",
+    "--checkpoint-every",
+    "0",
+]
 
 
 class Swarm:
@@ -39,13 +60,47 @@ class Swarm:
             out.append((load_or_create_identity(path).peer_id, path))
         return sorted(out)
 
-    def start(self, name: str, *args: str, identity: Path | None = None, faults: str = "", rounds: int = 3,
-              inner_steps: int = 10, quorum: int = 2, resume: bool = False, wait_for: int = 0) -> PeerProc:
+    def start(
+        self,
+        name: str,
+        *args: str,
+        identity: Path | None = None,
+        faults: str = "",
+        rounds: int = 3,
+        inner_steps: int = 10,
+        quorum: int = 2,
+        resume: bool = False,
+        wait_for: int = 0,
+    ) -> PeerProc:
         workdir = self.workdir / name
-        argv = [sys.executable, "-m", "scripts.cli", "peer", *FAST, "--max-rounds", str(rounds), "--inner-steps", str(inner_steps),
-                "--quorum", str(quorum), "--workdir", str(workdir), "--log-format", "json", "--summary-json", str(workdir / "summary.json"),
-                "--host-maddr", "/ip4/127.0.0.1/tcp/0", "--run-id", self.run_id, "--linger", "8",
-                "--wait-for-peers", str(wait_for), *args]
+        argv = [
+            sys.executable,
+            "-m",
+            "scripts.cli",
+            "peer",
+            *FAST,
+            "--max-rounds",
+            str(rounds),
+            "--inner-steps",
+            str(inner_steps),
+            "--quorum",
+            str(quorum),
+            "--workdir",
+            str(workdir),
+            "--log-format",
+            "json",
+            "--summary-json",
+            str(workdir / "summary.json"),
+            "--host-maddr",
+            "/ip4/127.0.0.1/tcp/0",
+            "--run-id",
+            self.run_id,
+            "--linger",
+            "8",
+            "--wait-for-peers",
+            str(wait_for),
+            *args,
+        ]
         if identity is not None:
             argv += ["--identity", str(identity)]
         for maddr in self.bootstrap:
@@ -64,7 +119,9 @@ class Swarm:
 
     def committed(self, name: str) -> dict[int, str]:
         """round -> full state hash, for every round this peer committed."""
-        return {int(e["round"]): e["state_hash_full"] for e in self.events(name, "round") if e.get("outcome") == "committed"}
+        return {
+            int(e["round"]): e["state_hash_full"] for e in self.events(name, "round") if e.get("outcome") == "committed"
+        }
 
     def wait_for(self, predicate: Callable[[], bool], timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout

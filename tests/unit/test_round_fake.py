@@ -24,7 +24,9 @@ pytestmark = pytest.mark.timeout(60)
 H0 = "0" * 64
 NUMEL = 64
 MODEL = LocalModel(fingerprint="fp", config={"numel": NUMEL}, numel=NUMEL)
-FAST = dict(grace_min_s=0.0, grace_max_s=0.2, round_timeout_s=5, exchange_timeout_s=1, control_timeout_s=1, codec="fp32")
+FAST = dict(
+    grace_min_s=0.0, grace_max_s=0.2, round_timeout_s=5, exchange_timeout_s=1, control_timeout_s=1, codec="fp32"
+)
 
 
 @pytest.fixture
@@ -46,8 +48,17 @@ def _peers(net: FakeNetwork, n: int, *, quorum: int, hooks: dict[int, Hooks] | N
 
 
 def _ready(transport: FakeTransport, round_number: int = 0) -> None:
-    transport.update_record(version=PROTOCOL_VERSION, fingerprint="fp", config_json="{}", round=round_number, state_hash=H0,
-                            ready=True, leading=0, eta=time.time(), updated=time.time())
+    transport.update_record(
+        version=PROTOCOL_VERSION,
+        fingerprint="fp",
+        config_json="{}",
+        round=round_number,
+        state_hash=H0,
+        ready=True,
+        leading=0,
+        eta=time.time(),
+        updated=time.time(),
+    )
 
 
 def _delta(i: int) -> torch.Tensor:
@@ -65,7 +76,9 @@ class Applied:
         return hashlib.sha256(average.numpy().tobytes()).hexdigest()
 
 
-def _round(averagers: list[Averager], tokens: Callable[[int], int] = lambda i: 100) -> tuple[list[RoundResult], list[Applied]]:
+def _round(
+    averagers: list[Averager], tokens: Callable[[int], int] = lambda i: 100
+) -> tuple[list[RoundResult], list[Applied]]:
     """Every averager finds its group and runs the round, each on its own thread, as peers do."""
     applied = [Applied() for _ in averagers]
 
@@ -114,8 +127,13 @@ def test_member_dying_after_join_is_left_out(net: FakeNetwork) -> None:
 
     async def join_then_die() -> None:
         reader, writer = await victim.open_stream(leader.transport.peer_id, leader.matchmaker.handler_name, timeout=1)  # type: ignore[union-attr]
-        await write_frame(writer, pb.JoinRequest(protocol_version=PROTOCOL_VERSION, run_id=victim.run_id, fingerprint="fp",
-                                                 round=0, state_hash=H0), timeout=1)
+        await write_frame(
+            writer,
+            pb.JoinRequest(
+                protocol_version=PROTOCOL_VERSION, run_id=victim.run_id, fingerprint="fp", round=0, state_hash=H0
+            ),
+            timeout=1,
+        )
         reply, _ = await read_frame(reader, pb.JoinReply, max_payload=0, timeout=1)
         assert reply.status == pb.JoinReply.ACCEPTED, reply
 
@@ -126,8 +144,14 @@ def test_member_dying_after_join_is_left_out(net: FakeNetwork) -> None:
     member_found = member.find_group(0, H0)
     applied = [Applied(), Applied()]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        runs = [pool.submit(lambda a=a, f=f, i=i: a.run_round(f.result(timeout=10), Contribution(delta=_delta(i), tokens=10), apply=applied[i]))
-                for i, (a, f) in enumerate([(leader, found), (member, member_found)])]
+        runs = [
+            pool.submit(
+                lambda a=a, f=f, i=i: a.run_round(
+                    f.result(timeout=10), Contribution(delta=_delta(i), tokens=10), apply=applied[i]
+                )
+            )
+            for i, (a, f) in enumerate([(leader, found), (member, member_found)])
+        ]
         results = [run.result(timeout=20) for run in runs]
     assert [r.outcome for r in results] == [Outcome.COMMITTED] * 2, results
     assert results[0].state_hash == results[1].state_hash and results[0].members == ["peer-0", "peer-1"]
@@ -154,8 +178,13 @@ def test_member_that_never_sends_is_excluded_and_the_round_commits(net: FakeNetw
 
     async def join_and_hold() -> None:
         reader, writer = await silent.open_stream("peer-0", averagers[0].matchmaker.handler_name, timeout=1)  # type: ignore[union-attr]
-        await write_frame(writer, pb.JoinRequest(protocol_version=PROTOCOL_VERSION, run_id=silent.run_id, fingerprint="fp",
-                                                 round=0, state_hash=H0), timeout=1)
+        await write_frame(
+            writer,
+            pb.JoinRequest(
+                protocol_version=PROTOCOL_VERSION, run_id=silent.run_id, fingerprint="fp", round=0, state_hash=H0
+            ),
+            timeout=1,
+        )
         held.append((reader, writer))  # never sends a contribution, never closes
 
     found = averagers[0].find_group(0, H0)
@@ -163,10 +192,18 @@ def test_member_that_never_sends_is_excluded_and_the_round_commits(net: FakeNetw
     net.call(join_and_hold(), timeout=5)
     applied = [Applied(), Applied()]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        lead = pool.submit(lambda: averagers[0].run_round(found.result(timeout=10), Contribution(delta=_delta(0), tokens=10),
-                                                          apply=applied[0]))
-        memb = pool.submit(lambda: averagers[1].run_round(averagers[1].find_group(0, H0).result(timeout=10),
-                                                          Contribution(delta=_delta(1), tokens=10), apply=applied[1]))
+        lead = pool.submit(
+            lambda: averagers[0].run_round(
+                found.result(timeout=10), Contribution(delta=_delta(0), tokens=10), apply=applied[0]
+            )
+        )
+        memb = pool.submit(
+            lambda: averagers[1].run_round(
+                averagers[1].find_group(0, H0).result(timeout=10),
+                Contribution(delta=_delta(1), tokens=10),
+                apply=applied[1],
+            )
+        )
         results = [lead.result(timeout=20), memb.result(timeout=20)]
     assert [r.outcome for r in results] == [Outcome.COMMITTED] * 2, results
     assert "no contribution" in results[0].excluded["peer-silent"], results[0].excluded
@@ -197,7 +234,9 @@ def test_group_closing_while_the_accept_is_in_flight_still_counts_the_member(net
     transport = net.peer("leader")
     _ready(transport)
     mm = Matchmaker(transport, RoundConfig(quorum=2, **FAST), MODEL, data_plane=None, dial_data_plane=False)
-    request = pb.JoinRequest(protocol_version=PROTOCOL_VERSION, run_id=transport.run_id, fingerprint="fp", round=0, state_hash=H0)
+    request = pb.JoinRequest(
+        protocol_version=PROTOCOL_VERSION, run_id=transport.run_id, fingerprint="fp", round=0, state_hash=H0
+    )
 
     async def race() -> tuple[Group, bytes, bool]:
         mm.set_state(0, H0)
@@ -234,7 +273,9 @@ def test_abandoned_group_ends_a_member_stream_whose_accept_was_in_flight(net: Fa
     transport = net.peer("leader")
     _ready(transport)
     mm = Matchmaker(transport, RoundConfig(quorum=2, **FAST), MODEL, data_plane=None, dial_data_plane=False)
-    request = pb.JoinRequest(protocol_version=PROTOCOL_VERSION, run_id=transport.run_id, fingerprint="fp", round=0, state_hash=H0)
+    request = pb.JoinRequest(
+        protocol_version=PROTOCOL_VERSION, run_id=transport.run_id, fingerprint="fp", round=0, state_hash=H0
+    )
 
     async def abandon() -> bool:
         mm.set_state(0, H0)
@@ -255,8 +296,17 @@ def test_abandoned_group_ends_a_member_stream_whose_accept_was_in_flight(net: Fa
 def test_a_peer_behind_is_told_to_fetch_the_newer_state(net: FakeNetwork) -> None:
     (averager,) = _peers(net, 1, quorum=2)
     ahead = net.peer("ahead")
-    ahead.update_record(version=PROTOCOL_VERSION, fingerprint="fp", config_json="{}", round=3, state_hash="3" * 64, ready=False,
-                        leading=0, eta=0.0, updated=time.time())
+    ahead.update_record(
+        version=PROTOCOL_VERSION,
+        fingerprint="fp",
+        config_json="{}",
+        round=3,
+        state_hash="3" * 64,
+        ready=False,
+        leading=0,
+        eta=0.0,
+        updated=time.time(),
+    )
     found = averager.find_group(0, H0).result(timeout=5)
     assert isinstance(found, Behind) and (found.round, found.donors) == (3, ["ahead"])
 

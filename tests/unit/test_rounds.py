@@ -26,8 +26,17 @@ H1, H2 = "1" * 64, "2" * 64
 
 
 def _rec(**changes: object) -> PeerRecord:
-    base = dict(version=PROTOCOL_VERSION, fingerprint="fp", config_json='{"d_model": 128}', round=3, state_hash=H1, ready=False,
-                leading=0, eta=0.0, updated=1.0)
+    base = dict(
+        version=PROTOCOL_VERSION,
+        fingerprint="fp",
+        config_json='{"d_model": 128}',
+        round=3,
+        state_hash=H1,
+        ready=False,
+        leading=0,
+        eta=0.0,
+        updated=1.0,
+    )
     base.update(changes)
     return PeerRecord(**base)  # type: ignore[arg-type]
 
@@ -91,7 +100,9 @@ def test_contribution_checks_name_the_problem() -> None:
 
 def test_token_weights_cap_and_discount() -> None:
     cfg = RoundConfig(weight_cap_factor=8, stale_discount=0.5)
-    weights = token_weights({"lead": (100, 0), "greedy": (10**12, 0), "stale": (100, 2), "small": (30, 0)}, leader="lead", cfg=cfg)
+    weights = token_weights(
+        {"lead": (100, 0), "greedy": (10**12, 0), "stale": (100, 2), "small": (30, 0)}, leader="lead", cfg=cfg
+    )
     assert weights == {"greedy": 800.0, "lead": 100.0, "small": 30.0, "stale": 25.0}
     assert token_weights({"lead": (0, 0)}, leader="lead", cfg=cfg) == {"lead": 1.0}  # never a zero total
 
@@ -133,8 +144,12 @@ def test_admission_refuses_incompatible_or_wrong_state_joins() -> None:
     assert admit(req, **{**kw, "state_hash": H2})[0] == pb.JoinReply.WRONG_STATE
     status, msg = admit(pb.JoinRequest(protocol_version=PROTOCOL_VERSION + 1, run_id="r", fingerprint="fp"), **kw)
     assert status == pb.JoinReply.INCOMPATIBLE and "protocol version differs" in msg
-    status, msg = admit(pb.JoinRequest(protocol_version=PROTOCOL_VERSION, run_id="r", fingerprint="zz",
-                                       task_config_json='{"d_model": 256}'), **kw)
+    status, msg = admit(
+        pb.JoinRequest(
+            protocol_version=PROTOCOL_VERSION, run_id="r", fingerprint="zz", task_config_json='{"d_model": 256}'
+        ),
+        **kw,
+    )
     assert status == pb.JoinReply.INCOMPATIBLE and "d_model: ours 128 vs theirs 256" in msg
     status, msg = admit(pb.JoinRequest(protocol_version=PROTOCOL_VERSION, run_id="other", fingerprint="fp"), **kw)
     assert status == pb.JoinReply.INCOMPATIBLE and "run id differs" in msg

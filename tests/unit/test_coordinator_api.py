@@ -1,4 +1,5 @@
-"""HTTP API: ingest, listings, /metrics, /healthz, OpenAPI, and the rejection matrix (DESIGN §7 rows 7, 8, 11, 19)."""
+"""HTTP API: ingest, listings, /metrics, /healthz, OpenAPI, and what it rejects: duplicates, forgeries, replays,
+schema abuse, pickles."""
 
 from __future__ import annotations
 
@@ -42,8 +43,10 @@ def post(server: CoordinatorServer, data: bytes | str) -> requests.Response:
 def snapshot(server: CoordinatorServer) -> dict[str, list[tuple[Any, ...]]]:
     store = server.store
     with store._lock:
-        return {t: [tuple(r) for r in store._conn.execute(f"SELECT * FROM {t} ORDER BY rowid")]
-                for t in ("runs", "peers", "reports", "metrics", "rounds", "round_reports")}
+        return {
+            t: [tuple(r) for r in store._conn.execute(f"SELECT * FROM {t} ORDER BY rowid")]
+            for t in ("runs", "peers", "reports", "metrics", "rounds", "round_reports")
+        }
 
 
 def test_ingest_and_listings(server: CoordinatorServer, ids: list[Identity]) -> None:
@@ -53,10 +56,21 @@ def test_ingest_and_listings(server: CoordinatorServer, ids: list[Identity]) -> 
         for step in range(3):
             assert post(server, build_report(i, "run", "metrics", metrics_body(step)).encode()).status_code == 200
         assert post(server, build_report(i, "run", "round", round_body(1, members)).encode()).status_code == 200
-    assert post(server, build_report(ids[0], "run", "round", round_body(
-        2, members[:2], outcome="discarded", failure_reason="peer left mid all-reduce")).encode()).status_code == 200
+    assert (
+        post(
+            server,
+            build_report(
+                ids[0],
+                "run",
+                "round",
+                round_body(2, members[:2], outcome="discarded", failure_reason="peer left mid all-reduce"),
+            ).encode(),
+        ).status_code
+        == 200
+    )
 
-    get = lambda path, **params: requests.get(server.url + path, params=params, timeout=10).json()
+    def get(path, **params):
+        return requests.get(server.url + path, params=params, timeout=10).json()
     assert get("/api/runs")["default_run_id"] == "run"
     peers = get("/api/peers", run_id="run")["items"]
     assert len(peers) == 3 and all(p["online"] and p["device"] == "cpu" for p in peers)
@@ -91,8 +105,9 @@ def test_duplicate_gives_one_row_and_same_answer(server: CoordinatorServer, ids:
     assert first.status_code == second.status_code == 200 and first.json() == second.json()
     assert snapshot(server) == state
     # a retry re-signed with a fresh timestamp and the same nonce is the same report
-    resigned = build_report(ids[0], "run", "metrics", metrics_body(7), nonce=report.nonce,
-                            timestamp=report.timestamp + 5)
+    resigned = build_report(
+        ids[0], "run", "metrics", metrics_body(7), nonce=report.nonce, timestamp=report.timestamp + 5
+    )
     third = post(server, resigned.encode())
     assert third.status_code == 200 and third.json() == first.json()
     assert snapshot(server) == state
@@ -123,11 +138,13 @@ def _timestamp(offset: float) -> Callable[[list[Identity]], bytes]:
 
 def _signed_raw(mutate: Callable[[dict[str, Any]], None]) -> Callable[[list[Identity]], bytes]:
     """Apply ``mutate`` and sign properly, so only the schema can refuse it."""
+
     def make(ids: list[Identity]) -> bytes:
         obj = build_report(ids[0], "run", "metrics", metrics_body(1)).to_json()
         mutate(obj)
         obj["signature"] = ids[0].sign(canonical_bytes(obj)).hex()
         return json.dumps(obj).encode()
+
     return make
 
 
@@ -180,8 +197,13 @@ def test_never_500_on_garbage(server: CoordinatorServer, ids: list[Identity]) ->
             blob[rng.randrange(len(blob))] = rng.randrange(256)
         resp = post(server, bytes(blob))
         assert resp.status_code < 500, resp.text
-    for path in ("/api/metrics?limit=-1", "/api/rounds?cursor=abc", "/api/peers?order=sideways",
-                 "/api/runs?limit=100000", "/api/metrics?run_id=" + "x" * 500):
+    for path in (
+        "/api/metrics?limit=-1",
+        "/api/rounds?cursor=abc",
+        "/api/peers?order=sideways",
+        "/api/runs?limit=100000",
+        "/api/metrics?run_id=" + "x" * 500,
+    ):
         resp = requests.get(server.url + path, timeout=10)
         assert 400 <= resp.status_code < 500 and resp.json()["error"], path
     assert requests.get(server.url + "/api/reports", timeout=10).status_code == 405

@@ -88,7 +88,8 @@ def test_dashboard_shows_real_swarm(procs: Procs, tmp_path: Path) -> None:
     try:
         driver.set_page_load_timeout(60)
         driver.get(url + "/")
-        refreshes = lambda: driver.execute_script("return window.swarmloco ? window.swarmloco.refreshes : 0")
+        def refreshes():
+            return driver.execute_script("return window.swarmloco ? window.swarmloco.refreshes : 0")
         wait_for(lambda: refreshes() >= 1, 60, "the dashboard's first refresh")
 
         finished(swarm, work.with_suffix(".log"), 240)
@@ -130,7 +131,7 @@ def test_dashboard_shows_real_swarm(procs: Procs, tmp_path: Path) -> None:
         rounds = driver.execute_script("return [...document.querySelectorAll('#rounds-table tbody tr')]"
                                        ".map(tr => [...tr.cells].map(td => td.textContent))")
         assert [r[0] for r in rounds] == [str(ROUNDS - i) for i in range(ROUNDS)], rounds
-        for row, rec in zip(rounds, reversed(summary["rounds"])):
+        for row, rec in zip(rounds, reversed(summary["rounds"]), strict=False):
             assert row[1] == "committed" and row[6] == next(iter(rec["hashes"].values()))[:12], (row, rec)
         assert driver.execute_script("return window.swarmloco.lastError") is None
 

@@ -1,4 +1,5 @@
-"""Report schema: signing, canonical bytes, and rejection of malformed input (DESIGN §7 rows 8, 11, 19)."""
+"""Report schema: signing, canonical bytes, and rejection of malformed input: forged, tampered,
+replayed, wrongly typed or oversized reports."""
 
 from __future__ import annotations
 
@@ -34,11 +35,18 @@ def _resign(identity: Identity, obj: dict[str, Any]) -> bytes:
     return json.dumps(obj).encode()
 
 
-@pytest.mark.parametrize("kind,body", [
-    ("hello", hello_body()), ("heartbeat", {"round": 3, "tokens_total": 10}), ("heartbeat", {}),
-    ("metrics", metrics_body(5)), ("metrics", {**metrics_body(5), "train_loss": None, "eval_loss": 2.0}),
-    ("bye", {"reason": "done"}), ("round", None),
-])
+@pytest.mark.parametrize(
+    "kind,body",
+    [
+        ("hello", hello_body()),
+        ("heartbeat", {"round": 3, "tokens_total": 10}),
+        ("heartbeat", {}),
+        ("metrics", metrics_body(5)),
+        ("metrics", {**metrics_body(5), "train_loss": None, "eval_loss": 2.0}),
+        ("bye", {"reason": "done"}),
+        ("round", None),
+    ],
+)
 def test_round_trip(ids: list[Identity], kind: str, body: dict[str, Any] | None) -> None:
     body = body if body is not None else round_body(1, [i.peer_id for i in ids])
     report = build_report(ids[0], "run-1", kind, body)
@@ -48,8 +56,9 @@ def test_round_trip(ids: list[Identity], kind: str, body: dict[str, Any] | None)
 
 def test_content_hash_ignores_timestamp_and_key_order(ids: list[Identity]) -> None:
     a = build_report(ids[0], "r", "metrics", metrics_body(1), nonce="ab" * 16, timestamp=1000.0)
-    b = build_report(ids[0], "r", "metrics", dict(reversed(list(metrics_body(1).items()))), nonce="ab" * 16,
-                     timestamp=2000.0)
+    b = build_report(
+        ids[0], "r", "metrics", dict(reversed(list(metrics_body(1).items()))), nonce="ab" * 16, timestamp=2000.0
+    )
     assert content_hash(a.to_json()) == content_hash(b.to_json())
     assert a.signature != b.signature
     c = build_report(ids[0], "r", "metrics", metrics_body(2), nonce="ab" * 16)
@@ -80,6 +89,7 @@ def _mut(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
             del target[last]
         else:
             target[last] = value
+
     return apply
 
 
@@ -87,30 +97,33 @@ _DELETE = object()
 _HUGE = 10**30
 
 
-@pytest.mark.parametrize("mutate,match", [
-    (_mut("extra", 1), "unknown keys"),
-    (_mut("body.extra", 1), "unknown keys"),
-    (_mut("nonce", _DELETE), "missing keys"),
-    (_mut("body.step", _DELETE), "required"),
-    (_mut("body.step", "5"), "integer"),
-    (_mut("body.step", True), "integer"),
-    (_mut("body.step", 5.0), "integer"),
-    (_mut("body.step", -1), "outside"),
-    (_mut("body.step", _HUGE), "outside"),
-    (_mut("body.tokens_total", [1]), "integer"),
-    (_mut("body.train_loss", "low"), "number"),
-    (_mut("body.train_loss", 1e300), "outside"),
-    (_mut("body.tokens_per_s", None), "null"),
-    (_mut("body", [1, 2]), "object"),
-    (_mut("kind", "shell"), "kind"),
-    (_mut("run_id", "../etc"), "run_id"),
-    (_mut("run_id", "x" * 100), "run_id"),
-    (_mut("timestamp", "now"), "timestamp"),
-    (_mut("timestamp", -5.0), "timestamp"),
-    (_mut("nonce", "NOT-HEX"), "nonce"),
-    (_mut("peer_id", "QmNotAnEd25519Key"), "peer_id"),
-    (_mut("signature", "00"), "signature"),
-])
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (_mut("extra", 1), "unknown keys"),
+        (_mut("body.extra", 1), "unknown keys"),
+        (_mut("nonce", _DELETE), "missing keys"),
+        (_mut("body.step", _DELETE), "required"),
+        (_mut("body.step", "5"), "integer"),
+        (_mut("body.step", True), "integer"),
+        (_mut("body.step", 5.0), "integer"),
+        (_mut("body.step", -1), "outside"),
+        (_mut("body.step", _HUGE), "outside"),
+        (_mut("body.tokens_total", [1]), "integer"),
+        (_mut("body.train_loss", "low"), "number"),
+        (_mut("body.train_loss", 1e300), "outside"),
+        (_mut("body.tokens_per_s", None), "null"),
+        (_mut("body", [1, 2]), "object"),
+        (_mut("kind", "shell"), "kind"),
+        (_mut("run_id", "../etc"), "run_id"),
+        (_mut("run_id", "x" * 100), "run_id"),
+        (_mut("timestamp", "now"), "timestamp"),
+        (_mut("timestamp", -5.0), "timestamp"),
+        (_mut("nonce", "NOT-HEX"), "nonce"),
+        (_mut("peer_id", "QmNotAnEd25519Key"), "peer_id"),
+        (_mut("signature", "00"), "signature"),
+    ],
+)
 def test_schema_abuse_is_rejected(ids: list[Identity], mutate: Callable[[dict[str, Any]], None], match: str) -> None:
     obj = build_report(ids[0], "r", "metrics", metrics_body(1)).to_json()
     mutate(obj)
@@ -119,17 +132,24 @@ def test_schema_abuse_is_rejected(ids: list[Identity], mutate: Callable[[dict[st
     assert e.value.status == 400
 
 
-@pytest.mark.parametrize("change,match", [
-    (lambda b: b.update(members=b["members"] * 2, tokens=b["tokens"] * 2), "duplicate"),
-    (lambda b: b.update(tokens=b["tokens"][:1]), "entries but body.members"),
-    (lambda b: b.update(members=[]), "entries"),
-    (lambda b: b.update(outcome="won"), "not one of"),
-    (lambda b: b.update(state_hash="XYZ"), "hex"),
-    (lambda b: b.update(failure_reason="x" * 5000), "at most"),
-    (lambda b: b.update(train_s=float("nan")), "finite"),
-    (lambda b: b.update(members=["p" * 40 + str(i) for i in range(MAX_MEMBERS + 1)],
-                        tokens=[1] * (MAX_MEMBERS + 1)), "entries"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (lambda b: b.update(members=b["members"] * 2, tokens=b["tokens"] * 2), "duplicate"),
+        (lambda b: b.update(tokens=b["tokens"][:1]), "entries but body.members"),
+        (lambda b: b.update(members=[]), "entries"),
+        (lambda b: b.update(outcome="won"), "not one of"),
+        (lambda b: b.update(state_hash="XYZ"), "hex"),
+        (lambda b: b.update(failure_reason="x" * 5000), "at most"),
+        (lambda b: b.update(train_s=float("nan")), "finite"),
+        (
+            lambda b: b.update(
+                members=["p" * 40 + str(i) for i in range(MAX_MEMBERS + 1)], tokens=[1] * (MAX_MEMBERS + 1)
+            ),
+            "entries",
+        ),
+    ],
+)
 def test_round_body_rules(ids: list[Identity], change: Callable[[dict[str, Any]], None], match: str) -> None:
     body = round_body(1, [i.peer_id for i in ids])
     change(body)
@@ -140,7 +160,10 @@ def test_round_body_rules(ids: list[Identity], change: Callable[[dict[str, Any]]
 def test_not_json_nan_oversize_and_pickle(ids: list[Identity]) -> None:
     good = build_report(ids[0], "r", "metrics", metrics_body(1)).encode()
     for raw, status in [
-        (b"{not json", 400), (b"", 400), (b"[]", 400), (b"null", 400),
+        (b"{not json", 400),
+        (b"", 400),
+        (b"[]", 400),
+        (b"null", 400),
         (good.replace(b'"train_loss":3.0', b'"train_loss":NaN'), 400),
         (b"[" * 100_000 + b"]" * 100_000, 413),
         (b" " * (MAX_REPORT_BYTES + 1), 413),

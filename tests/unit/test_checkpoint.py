@@ -9,18 +9,20 @@ import torch
 
 from peer import checkpoint
 from peer.cli import build_replica
-from peer.config import RunConfig, RuntimeConfig, TrainConfig
+from peer.config import PeerConfig, RunConfig, RuntimeConfig, TrainConfig
 from peer.outer import OuterConfig
 from peer.solo import run_solo
 
 
-def _cfg(workdir: Path, max_steps: int, resume: bool = False) -> dict:
-    return {
-        "run": RunConfig(preset="tiny", solo=True, max_steps=max_steps, workdir=str(workdir), resume=resume, checkpoint_every=0),
-        "train": TrainConfig(inner_steps=8, warmup_steps=4, batch_size=4),
-        "outer": OuterConfig(),
-        "runtime": RuntimeConfig(device="cpu", seed=3),
-    }
+def _cfg(workdir: Path, max_steps: int, resume: bool = False) -> PeerConfig:
+    return PeerConfig(
+        run=RunConfig(
+            preset="tiny", solo=True, max_steps=max_steps, workdir=str(workdir), resume=resume, checkpoint_every=0
+        ),
+        train=TrainConfig(inner_steps=8, warmup_steps=4, batch_size=4),
+        outer=OuterConfig(),
+        runtime=RuntimeConfig(device="cpu", seed=3),
+    )
 
 
 def test_stop_mid_round_and_resume_is_exact(tmp_path: Path) -> None:

@@ -17,15 +17,25 @@ import pytest
 
 from scripts.bench_common import descendants
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LN256 = math.log(256)
 
 
 def run_bench(args: list[str], tmp_path: Path, timeout: float) -> tuple[str, dict[str, Any]]:
     out = tmp_path / "out.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "scripts.bench", *args, "--quick", "--json", str(out)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OMP_NUM_THREADS": "1",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "scripts.bench", *args, "--quick", "--json", str(out)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     finally:

@@ -4,10 +4,10 @@ from __future__ import annotations
 import torch
 
 from peer.config import RuntimeConfig, TrainConfig
+from peer.model import GPT, GPTConfig
 from peer.outer import OuterConfig, outer_step
 from peer.replica import Replica
 from peer.task import Task, lm_loss
-from peer.model import GPT, GPTConfig
 
 
 def test_zero_delta_leaves_params_unchanged() -> None:
@@ -62,7 +62,14 @@ def _tiny_task() -> Task:
         torch.manual_seed(0)
         return GPT(cfg)
 
-    return Task(name="t", model_factory=factory, train_batches=batches, loss_fn=lm_loss, evaluate=lambda m: 0.0, config=cfg.to_dict())
+    return Task(
+        name="t",
+        model_factory=factory,
+        train_batches=batches,
+        loss_fn=lm_loss,
+        evaluate=lambda m: 0.0,
+        config=cfg.to_dict(),
+    )
 
 
 def test_h1_lr1_momentum0_equals_plain_training() -> None:
@@ -70,7 +77,9 @@ def test_h1_lr1_momentum0_equals_plain_training() -> None:
     train = TrainConfig(inner_steps=1, warmup_steps=0, grad_clip=0)
     replica = Replica(task, train, OuterConfig(lr=1.0, momentum=0.0), RuntimeConfig(device="cpu"))
     plain = task.model_factory()
-    opt = torch.optim.AdamW(plain.parameters(), lr=train.lr, betas=(train.beta1, train.beta2), weight_decay=train.weight_decay)
+    opt = torch.optim.AdamW(
+        plain.parameters(), lr=train.lr, betas=(train.beta1, train.beta2), weight_decay=train.weight_decay
+    )
     stream = task.train_batches(0)
     for _ in range(5):
         replica.inner_step()

@@ -229,8 +229,8 @@ def test_swarm_with_its_own_coordinator(procs: Procs, tmp_path: Path) -> None:
     url = info["url"]
     rounds = all_rounds(url, "e2e-a")
     assert [r["round"] for r in summary["rounds"]] == [1, 2, 3]
-    assert sorted((r["round"], r["outcome"]) for r in rounds) == [(1, "committed"), (2, "committed"), (3, "committed")], rounds
-    for expected, got in zip(summary["rounds"], sorted(rounds, key=lambda r: r["round"])):
+    assert sorted((r["round"], r["outcome"]) for r in rounds) == [(n, "committed") for n in (1, 2, 3)], rounds
+    for expected, got in zip(summary["rounds"], sorted(rounds, key=lambda r: r["round"]), strict=False):
         (state_hash,) = set(expected["hashes"].values())
         assert got["state_hash"] == state_hash, (expected, got)
         assert sorted(got["members"]) == sorted(ids.values()) and len(got["members"]) == expected["members"]
@@ -248,8 +248,15 @@ def test_swarm_with_its_own_coordinator(procs: Procs, tmp_path: Path) -> None:
     assert 'swarmloco_rounds_total{outcome="committed"} 3.0' in prom, prom
     assert "swarmloco_round_duration_seconds_count 9.0" in prom, prom  # 3 rounds x 3 members
 
-    status = subprocess.run([sys.executable, "-m", "scripts.cli", "status", "--coordinator", url], cwd=ROOT,
-                            env=child_env(), capture_output=True, text=True, timeout=60, check=False)
+    status = subprocess.run(
+        [sys.executable, "-m", "scripts.cli", "status", "--coordinator", url],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert status.returncode == 0, status.stderr
     out = status.stdout
     assert "run e2e-a: 0 of 3 peers online" in out, out
@@ -267,8 +274,11 @@ def _round_speed(workdir: Path, n: int, lo: float, hi: float) -> tuple[list[floa
     for i in range(n):
         events = [e for e in peer_events(workdir / f"peer-{i}", "round") if e.get("outcome") == "committed"]
         train += [e["train_s"] for e in events if lo <= e["time"] - e["train_s"] and e["time"] <= hi]
-        gaps += [b["time"] - a["time"] for a, b in itertools.pairwise(events)
-                 if b["round"] == a["round"] + 1 and lo <= a["time"] and b["time"] <= hi]
+        gaps += [
+            b["time"] - a["time"]
+            for a, b in itertools.pairwise(events)
+            if b["round"] == a["round"] + 1 and lo <= a["time"] and b["time"] <= hi
+        ]
     return train, gaps
 
 
@@ -281,9 +291,22 @@ def test_coordinator_down_mid_run(procs: Procs, tmp_path: Path) -> None:
     coord, info = procs.coordinator(db, run_id)
     url, port = info["url"], info["port"]
     work = tmp_path / "swarm"
-    swarm = procs.swarm(work, "--peers", str(peers), "--rounds", str(total), "--inner-steps", "20",
-                        "--coordinator", url, "--run-id", run_id, "--summary-json", str(tmp_path / "summary.json"),
-                        *PEER_ARGS)
+    swarm = procs.swarm(
+        work,
+        "--peers",
+        str(peers),
+        "--rounds",
+        str(total),
+        "--inner-steps",
+        "20",
+        "--coordinator",
+        url,
+        "--run-id",
+        run_id,
+        "--summary-json",
+        str(tmp_path / "summary.json"),
+        *PEER_ARGS,
+    )
     log = work.with_suffix(".log")
 
     def committed(i: int) -> list[int]:
@@ -291,8 +314,11 @@ def test_coordinator_down_mid_run(procs: Procs, tmp_path: Path) -> None:
 
     # rounds 1-3 give the reference speed; 3 has reached the coordinator, so what it lacks later came meanwhile
     wait_for(lambda: all(3 in committed(i) for i in range(peers)), 240, "round 3 on every peer")
-    wait_for(lambda: any(r["round"] == 3 for r in get(url, "/api/rounds", run_id=run_id)["items"]), 60,
-             "round 3 on the coordinator")
+    wait_for(
+        lambda: any(r["round"] == 3 for r in get(url, "/api/rounds", run_id=run_id)["items"]),
+        60,
+        "round 3 on the coordinator",
+    )
     # long enough for a few whole rounds at the speed this machine has right now
     outage = min(30.0, max(10.0, 4 * statistics.median(_round_speed(work, peers, 0, time.time())[1])))
     down_at = time.time()
@@ -312,8 +338,10 @@ def test_coordinator_down_mid_run(procs: Procs, tmp_path: Path) -> None:
     train_out = _round_speed(work, peers, 0, down_at)[0] + _round_speed(work, peers, back_at, math.inf)[0]
     gaps_out = _round_speed(work, peers, 0, down_at)[1] + _round_speed(work, peers, back_at, math.inf)[1]
     train_during, gaps_during = _round_speed(work, peers, down_at, back_at)
-    where = (f"outage {down_at:.1f}..{back_at:.1f} ({outage:.0f}s + restart): train_s {train_out} vs "
-             f"{train_during}, gaps {gaps_out} vs {gaps_during}")
+    where = (
+        f"outage {down_at:.1f}..{back_at:.1f} ({outage:.0f}s + restart): train_s {train_out} vs "
+        f"{train_during}, gaps {gaps_out} vs {gaps_during}"
+    )
     assert train_out and train_during and gaps_out and gaps_during, where
     assert statistics.median(train_during) < 2 * statistics.median(train_out) + 1.5, where
     assert statistics.median(gaps_during) < 2 * statistics.median(gaps_out) + 1.5, where
@@ -321,8 +349,12 @@ def test_coordinator_down_mid_run(procs: Procs, tmp_path: Path) -> None:
     ids = peer_ids(work, peers)
     done = {r for i in range(peers) for r in committed(i)}
     assert done == set(range(1, total + 1)), done
-    missed = {e["round"] for i in range(peers) for e in peer_events(work / f"peer-{i}", "round")
-              if e.get("outcome") == "committed" and down_at + 1 <= e["time"] <= back_at}
+    missed = {
+        e["round"]
+        for i in range(peers)
+        for e in peer_events(work / f"peer-{i}", "round")
+        if e.get("outcome") == "committed" and down_at + 1 <= e["time"] <= back_at
+    }
     assert missed, "no round was committed while the coordinator was down"
 
     def all_reported() -> list[dict[str, Any]] | None:
@@ -337,14 +369,18 @@ def test_coordinator_down_mid_run(procs: Procs, tmp_path: Path) -> None:
         assert sorted(r["members"]) == sorted(ids.values()) and r["state_hash"], r
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert {r["round"]: next(iter(r["hashes"].values())) for r in summary["rounds"]} == {
-        r["round"]: r["state_hash"] for r in rounds}
+        r["round"]: r["state_hash"] for r in rounds
+    }
     prom = get(url, "/metrics")
     assert f'swarmloco_rounds_total{{outcome="committed"}} {float(total)}' in prom, prom
 
     # The ledger: one round report per (peer, round), and those of the outage arrived after the restart.
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
-        rows = conn.execute("SELECT peer_id, json_extract(body, '$.round'), received_at FROM reports "
-                            "WHERE kind = 'round' AND run_id = ?", (run_id,)).fetchall()
+        rows = conn.execute(
+            "SELECT peer_id, json_extract(body, '$.round'), received_at FROM reports "
+            "WHERE kind = 'round' AND run_id = ?",
+            (run_id,),
+        ).fetchall()
     conn.close()
     keys = [(peer, rnd) for peer, rnd, _ in rows]
     assert len(keys) == len(set(keys)) == peers * total, sorted(keys)

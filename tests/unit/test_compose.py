@@ -1,35 +1,31 @@
 """docker-compose.yml and Dockerfile, checked without a Docker engine.
 
 The compose file is parsed with PyYAML, its ${VAR:-default} references are expanded the way Compose does, and every
-service's command goes through the real `swarmloco` argument parser (a typo'd flag fails here). The peer entrypoint
-(an inline Python script in the compose file) runs for real against a fake ready file and a fake DNS server, with a
-stand-in `swarmloco` executable that records what it was started with; the peer configuration is then built from
-that argv and environment exactly as `swarmloco peer` would.
+service's command goes through the real `swarmloco` argument parser (a typo'd flag fails here). The peer config is
+then built from that argv and the service's environment exactly as `swarmloco peer` would, and its startup step
+(peer/bootstrap.py: the coordinator's ready file, the replica's shard) runs against a fake ready file and a fake
+DNS server.
 """
 from __future__ import annotations
 
 import json
-import os
 import re
-import socket
-import stat
-import struct
-import subprocess
-import sys
-import threading
 import tomllib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from _fake_dns import FakeDNS
 
-from peer import config as peer_config
-from peer import swarm_config  # noqa: F401  (registers the [network] and [round] options)
+from peer import bootstrap
+from peer.config import PeerConfig, build_config
+from peer.options import OPTIONS, OTHER_ENV
 from scripts.cli import build_parser
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
@@ -106,8 +102,12 @@ def flag_value(argv: list[str], flag: str) -> str:
     return argv[argv.index(flag) + 1]
 
 
-def known_peer_env() -> set[str]:
-    return {opt.env for opt in peer_config.OPTIONS} | {peer_config.ENV_PREFIX + "CONFIG"}
+def peer_config(compose: dict[str, Any], service: str, **env: str) -> PeerConfig:
+    """What `swarmloco peer` builds in that container, before its startup step; `env` stands for the host's."""
+    svc = services_of(compose)[service]
+    return build_config(
+        build_parser().parse_args(argv_of(svc)), env={**{k: str(v) for k, v in svc["environment"].items()}, **env}
+    )
 
 
 # -------------------------------------------------------------------------------------------------- structure
@@ -159,21 +159,21 @@ def test_gpu_service_reserves_an_nvidia_gpu_and_builds_cuda_torch(compose: dict[
 
 
 def test_peer_environment_names_only_real_settings(raw: dict[str, Any]) -> None:
-    known = known_peer_env()
+    known = {opt.env for opt in OPTIONS} | OTHER_ENV
     for name in PEER_SERVICES:
         env = raw["services"][name]["environment"]
         assert isinstance(env, dict)
-        unknown = {k for k in env if k.startswith(peer_config.ENV_PREFIX) and k not in known}
+        unknown = {k for k in env if k not in known}
         assert not unknown, f"{name}: {unknown} are not swarmloco peer settings"
-        others = {k for k in env if not k.startswith(peer_config.ENV_PREFIX)}
-        assert others <= {"BOOTSTRAP_READY_FILE", "BOOTSTRAP_HOST", "BOOTSTRAP_DHT_PORT", "BOOTSTRAP_WAIT_S"}, others
 
 
-def test_no_stray_dollar_in_entrypoint(raw: dict[str, Any]) -> None:
-    """Compose interpolates the entrypoint too; the script must come through unchanged."""
-    script = raw["services"]["peer"]["entrypoint"][2]
-    assert "$" not in script
-    compile(script, "<peer entrypoint>", "exec")
+def test_compose_only_declares_services(raw: dict[str, Any]) -> None:
+    """No program inside the compose file: what a peer does at startup is a documented peer option."""
+    assert not [k for k in raw if k.startswith("x-") and "entrypoint" in k]
+    for name, svc in raw["services"].items():
+        assert "entrypoint" not in svc, name
+    text = COMPOSE.read_text()
+    assert "python -c" not in text and "- -c" not in text
 
 
 # -------------------------------------------------------------------------------------------------- CLI parsing
@@ -189,26 +189,48 @@ def test_coordinator_command_parses(compose: dict[str, Any]) -> None:
     assert args.run_id == "compose"
 
 
-@pytest.mark.parametrize("host_env", [{}, {"SWARMLOCO_RUN_ID": "r7", "SWARMLOCO_QUORUM": "3", "SWARMLOCO_PRESET": "small",
-                                           "SWARMLOCO_MAX_ROUNDS": "5", "SWARMLOCO_INNER_STEPS": "20"}])
+@pytest.mark.parametrize(
+    "host_env",
+    [
+        {},
+        {
+            "SWARMLOCO_RUN_ID": "r7",
+            "SWARMLOCO_QUORUM": "3",
+            "SWARMLOCO_PRESET": "small",
+            "SWARMLOCO_MAX_ROUNDS": "5",
+            "SWARMLOCO_INNER_STEPS": "20",
+        },
+    ],
+)
 def test_peer_commands_parse_and_build_a_config(raw: dict[str, Any], host_env: dict[str, str]) -> None:
     compose = interpolate(raw, host_env)
     coord_args = build_parser().parse_args(argv_of(services_of(compose)["coordinator"]))
     for name in PEER_SERVICES:
-        svc = services_of(compose)[name]
-        args = build_parser().parse_args(argv_of(svc))
-        assert args.command == "peer"
-        env = {k: v for k, v in svc["environment"].items() if v != ""}
-        env["SWARMLOCO_INITIAL_PEER"] = f"/dns4/coordinator/tcp/31337/p2p/{FAKE_PEER_ID}"
-        env["SWARMLOCO_SHARD_INDEX"] = "0"
-        cfg = peer_config.build_config(args, env=env)
-        net = cfg["network"]
-        assert net.run_id == coord_args.run_id == host_env.get("SWARMLOCO_RUN_ID", "compose")
-        assert net.host_maddrs == ("/ip4/0.0.0.0/tcp/31337",)
-        assert cfg["round"].quorum == int(host_env.get("SWARMLOCO_QUORUM", 2))
-        assert cfg["run"].preset == host_env.get("SWARMLOCO_PRESET", "tiny")
-        assert cfg["run"].coordinator == "http://coordinator:8000"
-        assert not cfg["run"].solo
+        assert build_parser().parse_args(argv_of(services_of(compose)[name])).command == "peer"
+        cfg = peer_config(compose, name)
+        assert cfg.network.run_id == coord_args.run_id == host_env.get("SWARMLOCO_RUN_ID", "compose")
+        assert cfg.network.host_maddrs == ("/ip4/0.0.0.0/tcp/31337",)
+        assert cfg.network.initial_peers == ()  # found at startup, from the ready file
+        assert cfg.round.quorum == int(host_env.get("SWARMLOCO_QUORUM", 2))
+        assert cfg.run.preset == host_env.get("SWARMLOCO_PRESET", "tiny")
+        assert cfg.run.max_rounds == int(host_env.get("SWARMLOCO_MAX_ROUNDS", 0))
+        assert cfg.train.inner_steps == int(host_env.get("SWARMLOCO_INNER_STEPS", 50))
+        assert cfg.run.coordinator == "http://coordinator:8000"
+        assert (cfg.run.shard_index, cfg.run.num_shards) == (None, 8)  # None: auto
+        assert cfg.bootstrap.wait_s == 300
+        assert not cfg.run.solo
+
+
+def test_peers_bootstrap_from_the_file_and_port_the_coordinator_writes(compose: dict[str, Any]) -> None:
+    coord = services_of(compose)["coordinator"]
+    coord_args = build_parser().parse_args(argv_of(coord))
+    volume = next(m.split(":")[0] for m in coord["volumes"] if m.split(":")[1] == "/bootstrap")
+    for name in PEER_SERVICES:
+        boot = peer_config(compose, name).bootstrap
+        assert Path(boot.file or "") == coord_args.ready_file
+        assert boot.host == "coordinator" and boot.port == coord_args.dht_port
+        (mount,) = services_of(compose)[name]["volumes"]
+        assert mount == f"{volume}:{Path(boot.file or '').parent}:ro"
 
 
 def test_parser_rejects_a_typo() -> None:
@@ -217,151 +239,69 @@ def test_parser_rejects_a_typo() -> None:
         build_parser().parse_args(["peer", "--quorom", "2"])
 
 
-# -------------------------------------------------------------------------------------------------- entrypoint
-class FakeDNS:
-    """Answers every PTR query on 127.0.0.1 with one name (Docker's DNS answers with <project>-<service>-<n>.<net>)."""
-
-    def __init__(self, name: str | None) -> None:
-        self.name = name  # None: answer with no records (NXDOMAIN-like)
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.settimeout(0.2)
-        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
-        self.queries = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                query, addr = self.sock.recvfrom(512)
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            self.queries += 1
-            question = query[12:]
-            if self.name is None:
-                self.sock.sendto(query[:2] + struct.pack(">5H", 0x8183, 1, 0, 0, 0) + question, addr)
-                continue
-            rdata = b"".join(bytes([len(p)]) + p.encode() for p in self.name.split(".")) + b"\0"
-            header = query[:2] + struct.pack(">5H", 0x8180, 1, 1, 0, 0)
-            answer = struct.pack(">HHHIH", 0xC00C, 12, 1, 600, len(rdata)) + rdata  # name = pointer to question
-            self.sock.sendto(header + question + answer, addr)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2)
-        self.sock.close()
-
-
-@pytest.fixture()
-def fake_swarmloco(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
-    """A `swarmloco` stand-in on PATH that writes its argv and SWARMLOCO_* environment to a JSON file."""
-    bindir, record = tmp_path / "bin", tmp_path / "record.json"
-    bindir.mkdir()
-    exe = bindir / "swarmloco"
-    exe.write_text(f"#!{sys.executable}\n"
-                   "import json, os, sys\n"
-                   f"json.dump({{'argv': sys.argv[1:], 'env': {{k: v for k, v in os.environ.items() "
-                   f"if k.startswith('SWARMLOCO_')}}}}, open({str(record)!r}, 'w'))\n")
-    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
-    yield bindir, record
-
-
-def run_entrypoint(compose: dict[str, Any], service: str, env: dict[str, str], bindir: Path,
-                   timeout: float = 20) -> subprocess.CompletedProcess[str]:
-    svc = services_of(compose)[service]
-    entry = svc["entrypoint"]
-    assert entry[:2] == ["python", "-c"] and len(entry) == 3
-    full_env = {"PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}", **env}
-    return subprocess.run([sys.executable, "-c", entry[2], *svc["command"]], env=full_env, capture_output=True,
-                          text=True, timeout=timeout, check=False)
-
-
-def container_env(compose: dict[str, Any], service: str, tmp_path: Path, **overrides: str) -> dict[str, str]:
-    env = {k: str(v) for k, v in services_of(compose)[service]["environment"].items()}
-    env["BOOTSTRAP_READY_FILE"] = str(tmp_path / "coordinator.json")
-    env.update(overrides)
-    return env
-
-
+# -------------------------------------------------------------------------------------------------- startup
 def write_ready_file(path: Path) -> None:
     # the fields `swarmloco coordinator --ready-file` writes (see coordinator/server.py)
-    path.write_text(json.dumps({"url": "http://127.0.0.1:8000", "run_id": "compose", "dht_peer_id": FAKE_PEER_ID,
-                                "dht_maddrs": [f"/ip4/172.18.0.2/tcp/31337/p2p/{FAKE_PEER_ID}"]}))
+    path.write_text(
+        json.dumps(
+            {
+                "url": "http://127.0.0.1:8000",
+                "run_id": "compose",
+                "dht_peer_id": FAKE_PEER_ID,
+                "dht_maddrs": [f"/ip4/172.18.0.2/tcp/31337/p2p/{FAKE_PEER_ID}"],
+            }
+        )
+    )
+
+
+def in_tmp(cfg: PeerConfig, tmp_path: Path) -> PeerConfig:
+    """The same config with the ready file in tmp_path instead of the container's /bootstrap volume."""
+    return replace(cfg, bootstrap=replace(cfg.bootstrap, file=str(tmp_path / Path(cfg.bootstrap.file or "").name)))
 
 
 @pytest.mark.parametrize("service", PEER_SERVICES)
-def test_entrypoint_finds_the_coordinator_and_picks_the_replica_shard(
-        compose: dict[str, Any], service: str, tmp_path: Path, fake_swarmloco: tuple[Path, Path]) -> None:
-    bindir, record = fake_swarmloco
+def test_startup_finds_the_coordinator_and_picks_the_replica_shard(
+    compose: dict[str, Any], service: str, tmp_path: Path
+) -> None:
+    cfg = in_tmp(peer_config(compose, service), tmp_path)
     write_ready_file(tmp_path / "coordinator.json")
-    dns = FakeDNS(f"swarmloco-{service}-3.swarmloco_default")
-    try:
-        proc = run_entrypoint(compose, service, container_env(compose, service, tmp_path,
-                                                              ENTRYPOINT_DNS_SERVER=dns.address), bindir)
-    finally:
-        dns.close()
-    assert proc.returncode == 0, proc.stderr
-    assert dns.queries == 1
-    got = json.loads(record.read_text())
-    assert got["argv"] == services_of(compose)[service]["command"][1:]
-    env = got["env"]
-    assert env["SWARMLOCO_INITIAL_PEER"] == f"/dns4/coordinator/tcp/31337/p2p/{FAKE_PEER_ID}"
-    assert env["SWARMLOCO_SHARD_INDEX"] == "2"  # replica 3 -> shard 2 of 8
-    assert all(v != "" for v in env.values()), "empty SWARMLOCO_* variables must be dropped"
-    # and the real loader accepts the result
-    cfg = peer_config.build_config(build_parser().parse_args(got["argv"]), env=env)
-    assert cfg["network"].initial_peers == (env["SWARMLOCO_INITIAL_PEER"],)
-    assert (cfg["run"].shard_index, cfg["run"].num_shards) == (2, 8)
+    with FakeDNS(f"swarmloco-{service}-3.swarmloco_default") as dns:
+        out = bootstrap.resolve(cfg, dns_server=dns.address, ip="172.18.0.4")
+    assert len(dns.questions) == 1
+    assert out.network.initial_peers == (f"/dns4/coordinator/tcp/31337/p2p/{FAKE_PEER_ID}",)
+    assert (out.run.shard_index, out.run.num_shards) == (2, 8)  # replica 3 -> shard 2 of 8
 
 
-def test_entrypoint_joins_a_given_swarm_without_the_coordinator(
-        compose: dict[str, Any], tmp_path: Path, fake_swarmloco: tuple[Path, Path]) -> None:
-    bindir, record = fake_swarmloco
+def test_startup_joins_a_given_swarm_without_the_coordinator(compose: dict[str, Any], tmp_path: Path) -> None:
     maddr = f"/ip4/203.0.113.7/tcp/31337/p2p/{FAKE_PEER_ID}"
-    env = container_env(compose, "peer", tmp_path, SWARMLOCO_INITIAL_PEER=maddr, SWARMLOCO_SHARD_INDEX="5",
-                        SWARMLOCO_COORDINATOR="", BOOTSTRAP_WAIT_S="0")
-    proc = run_entrypoint(compose, "peer", env, bindir)  # no ready file exists: it must not be needed
-    assert proc.returncode == 0, proc.stderr
-    got = json.loads(record.read_text())["env"]
-    assert got["SWARMLOCO_INITIAL_PEER"] == maddr and got["SWARMLOCO_SHARD_INDEX"] == "5"
-    assert "SWARMLOCO_COORDINATOR" not in got  # empty = report nowhere
-    cfg = peer_config.build_config(build_parser().parse_args(json.loads(record.read_text())["argv"]), env=got)
-    assert cfg["run"].coordinator is None
+    host_env = {
+        "SWARMLOCO_INITIAL_PEER": maddr,
+        "SWARMLOCO_SHARD_INDEX": "5",
+        "SWARMLOCO_COORDINATOR": "",
+        "SWARMLOCO_BOOTSTRAP_WAIT": "0",
+    }
+    cfg = in_tmp(peer_config(interpolate(yaml.safe_load(COMPOSE.read_text()), host_env), "peer"), tmp_path)
+    assert cfg.run.coordinator is None  # empty = report nowhere
+    out = bootstrap.resolve(cfg)  # no ready file exists: it must not be needed
+    assert out.network.initial_peers == (maddr,) and out.run.shard_index == 5
 
 
-def test_entrypoint_without_dns_answer_picks_a_valid_random_shard(
-        compose: dict[str, Any], tmp_path: Path, fake_swarmloco: tuple[Path, Path]) -> None:
-    bindir, record = fake_swarmloco
-    write_ready_file(tmp_path / "coordinator.json")
-    dns = FakeDNS(None)
-    try:
-        env = container_env(compose, "peer", tmp_path, ENTRYPOINT_DNS_SERVER=dns.address, SWARMLOCO_NUM_SHARDS="4")
-        proc = run_entrypoint(compose, "peer", env, bindir)
-    finally:
-        dns.close()
-    assert proc.returncode == 0, proc.stderr
-    assert "random shard" in proc.stderr
-    assert 0 <= int(json.loads(record.read_text())["env"]["SWARMLOCO_SHARD_INDEX"]) < 4
-
-
-def test_entrypoint_gives_up_when_the_coordinator_never_writes_its_ready_file(
-        compose: dict[str, Any], tmp_path: Path, fake_swarmloco: tuple[Path, Path]) -> None:
-    bindir, record = fake_swarmloco
-    proc = run_entrypoint(compose, "peer", container_env(compose, "peer", tmp_path, BOOTSTRAP_WAIT_S="0"), bindir)
-    assert proc.returncode == 1
-    assert "dht_peer_id" in proc.stderr
-    assert not record.exists()
+def test_startup_gives_up_when_the_coordinator_never_writes_its_ready_file(
+    compose: dict[str, Any], tmp_path: Path
+) -> None:
+    cfg = in_tmp(peer_config(compose, "peer", SWARMLOCO_BOOTSTRAP_WAIT="0.2"), tmp_path)
+    with pytest.raises(bootstrap.BootstrapError, match=r"no dht_peer_id in .*coordinator\.json after 0\.2 s"):
+        bootstrap.resolve(cfg)
 
 
 # -------------------------------------------------------------------------------------------------- Dockerfile
 def dockerfile_instructions() -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) with comments dropped and continuation lines joined."""
-    text = re.sub(r"\\\n", " ", "\n".join(line for line in DOCKERFILE.read_text().splitlines()
-                                         if not line.lstrip().startswith("#")))
+    text = re.sub(
+        r"\\\n",
+        " ",
+        "\n".join(line for line in DOCKERFILE.read_text().splitlines() if not line.lstrip().startswith("#")),
+    )
     out = []
     for line in text.splitlines():
         if line.strip():
@@ -400,8 +340,11 @@ def test_dockerfile_copies_every_package_the_project_ships() -> None:
 
 
 def test_dockerignore_keeps_what_the_build_needs() -> None:
-    ignored = {line.strip().rstrip("/") for line in DOCKERIGNORE.read_text().splitlines()
-               if line.strip() and not line.startswith("#")}
+    ignored = {
+        line.strip().rstrip("/")
+        for line in DOCKERIGNORE.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
     assert {".git", ".venv"} <= ignored
     needed = {"pyproject.toml", "README.md", "protocol", "peer", "coordinator", "scripts"}
     assert not needed & ignored

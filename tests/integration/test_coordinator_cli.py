@@ -71,8 +71,15 @@ def test_process_with_dht_ready_file_and_clean_sigterm(tmp_path: Path) -> None:
 
 
 def test_bad_arguments_exit_2(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "coordinator", "--db", str(tmp_path / "no" / "x.sqlite"),
-                             "--no-dht"], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=60, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "coordinator", "--db", str(tmp_path / "no" / "x.sqlite"), "--no-dht"],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 2 and "does not exist" in result.stderr
 
 
@@ -81,9 +88,11 @@ def test_status_prints_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str
     try:
         (a, b) = make_identities(tmp_path / "ids", 2)
         for ident, device in ((a, "gpu-a"), (b, "cpu-b")):
-            for r in (build_report(ident, "run", "hello", hello_body(device=device)),
-                      build_report(ident, "run", "metrics", metrics_body(4, loss=2.3456)),
-                      build_report(ident, "run", "round", round_body(7, [a.peer_id, b.peer_id]))):
+            for r in (
+                build_report(ident, "run", "hello", hello_body(device=device)),
+                build_report(ident, "run", "metrics", metrics_body(4, loss=2.3456)),
+                build_report(ident, "run", "round", round_body(7, [a.peer_id, b.peer_id])),
+            ):
                 assert requests.post(server.url + "/api/reports", data=r.encode(), timeout=10).status_code == 200
         parser = argparse.ArgumentParser()
         add_status_arguments(parser)

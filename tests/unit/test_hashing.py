@@ -26,7 +26,7 @@ def test_any_single_element_change_changes_hash() -> None:
     base = state_hash(params, mom)
     seen = {base}
     for group in (params, mom):
-        for name, tensor in group.items():
+        for _name, tensor in group.items():
             for i in range(tensor.numel()):
                 flat = tensor.view(-1)
                 old = flat[i].item()

@@ -1,4 +1,4 @@
-"""Durability (DESIGN §7 row 6): SIGKILL the coordinator while peers stream reports, restart it, lose nothing."""
+"""Durability: SIGKILL the coordinator while peers stream reports, restart it, lose nothing."""
 
 from __future__ import annotations
 
