@@ -23,7 +23,7 @@ test: install
 	$(BIN)/python -m pytest -q
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow and not integration"
+	$(BIN)/python -m pytest -q tests/unit
 
 clean:
 	rm -rf runs .pytest_cache

@@ -44,16 +44,11 @@ def build_replica(cfg: PeerConfig, *, data_seed: int = 0) -> Replica:
     return Replica(task, train, cfg.outer, cfg.runtime)
 
 
-def identity_path(cfg: PeerConfig) -> str:
-    """The peer's identity file: --identity, or WORKDIR/identity.key (created on first use, so ids are stable)."""
-    return cfg.network.identity or str(Path(cfg.run.workdir) / "identity.key")
-
-
 def swarm_data_seed(cfg: PeerConfig) -> int:
     """Per-peer data order, derived from the stable peer id: peers that share a shard still see different batches."""
     from protocol.identity import load_or_create_identity
 
-    path = Path(identity_path(cfg))
+    path = Path(cfg.identity_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     peer_id = load_or_create_identity(path).peer_id
     return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "little")

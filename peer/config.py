@@ -161,6 +161,11 @@ class PeerConfig:
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
 
+    @property
+    def identity_path(self) -> str:
+        """The peer's identity file: --identity, or WORKDIR/identity.key (created on first use, so ids are stable)."""
+        return self.network.identity or str(Path(self.run.workdir) / "identity.key")
+
 
 # section name -> its dataclass, in PeerConfig's order (the TOML sections and the order of --help)
 SECTIONS: dict[str, type] = {name: cls for name, cls in typing.get_type_hints(PeerConfig).items()}

@@ -27,8 +27,8 @@ from protocol.hooks import Hooks
 from protocol.identity import load_or_create_identity
 from protocol.matchmaking import Group, RoundAborted
 from protocol.node import SwarmNode
-from protocol.records import PROTOCOL_VERSION, PeerRecord, compatibility_problem
-from protocol.rounds import Behind, Outcome, choose_target, compatible, group_forming
+from protocol.records import PROTOCOL_VERSION, PeerRecord
+from protocol.rounds import Behind, Outcome, choose_target, compatibility_problem, compatible, group_forming
 from protocol.state_sync import ServedState, StateServer, StateSyncError, download_state
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class SwarmSync:
 
     def __init__(self, cfg: PeerConfig, hooks: Hooks) -> None:
         self.cfg, self.hooks = cfg, hooks
-        identity = cfg.network.identity or str(Path(cfg.run.workdir) / "identity.key")
+        identity = cfg.identity_path
         Path(identity).parent.mkdir(parents=True, exist_ok=True)
         load_or_create_identity(identity)
         self.net = replace(cfg.network, identity=identity)

@@ -132,7 +132,7 @@ class Averager:
                 average = self.transport.call(self._reduce(group, contribution), timeout=d.exchange)
                 self.hooks.before_commit(group.round)
                 new_hash = apply(average.delta)
-                sent = self.transport.call(self._commit(group, average, new_hash), timeout=d.transfer + d.control)
+                sent = self._deliver(group, average, new_hash)
                 result = RoundResult(
                     Outcome.COMMITTED,
                     group.round,
@@ -171,6 +171,17 @@ class Averager:
         return result
 
     # --- leader ---------------------------------------------------------------------------------------------------
+    def _deliver(self, group: Group, average: _Average, new_hash: str) -> int:
+        """Send the committed result; returns the bytes delivered. Past this point the round is committed whatever
+        happens to the sends: a member that misses the result finds itself behind and fetches θ_{r+1} by hash."""
+        d = self.deadlines
+        try:
+            return self.transport.call(self._commit(group, average, new_hash), timeout=d.transfer + 2 * d.control)
+        except (concurrent.futures.TimeoutError, TimeoutError):
+            logger.warning("round %d: delivering the result timed out; members that missed it re-sync", group.round)
+            self.transport.submit(self._release(group))
+            return 0
+
     async def _reduce(self, group: Group, own: Contribution) -> _Average:
         loop = asyncio.get_running_loop()
         got = await collect(

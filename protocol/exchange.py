@@ -133,14 +133,12 @@ async def broadcast(
 ) -> int:
     """The same result frame to every member; returns the bytes delivered. A member that cannot be reached is
     logged and skipped: it finds itself behind and re-syncs to the committed state."""
-    sent = 0
 
-    async def one(link: Link) -> None:
-        nonlocal sent
+    async def one(link: Link) -> int:
         try:
-            sent += await link.send(header, payload, timeout=timeout)
+            return await link.send(header, payload, timeout=timeout)
         except WireError as exc:
             logger.info("could not deliver the round result to %s: %r (it will re-sync)", link.peer[-8:], exc)
+            return 0
 
-    await asyncio.gather(*(one(link) for link in links.values()))
-    return sent
+    return sum(await asyncio.gather(*(one(link) for link in links.values())))

@@ -188,6 +188,9 @@ class Matchmaker:
                     if group is not None:
                         return group
                     continue
+                # Joining someone else: stop admitting members to a group of ours we would never close (it is
+                # empty here: with members we only leave through a merge, which has released them already).
+                self._abandon()
                 attempt.quorum_at = None
                 joined = await self._try_join(leader, attempt)
                 if isinstance(joined, Group):
@@ -244,7 +247,9 @@ class Matchmaker:
     def _abandon(self) -> None:
         """Give up an open group: its members' join streams end, and they look for another leader."""
         collect, self._collect = self._collect, None
-        if collect is not None and not collect.done.done():
+        if collect is None:
+            return
+        if not collect.done.done():
             collect.done.set_result(None)
         self.transport.update_record(leading=0)
 
@@ -281,7 +286,7 @@ class Matchmaker:
         try:
             reader, writer = await self.transport.open_stream(leader, self.handler_name, timeout=d.control)
         except Exception as exc:  # noqa: BLE001 - whatever keeps us from a leader means: try another
-            logger.debug("cannot reach leader %s: %r", leader[-8:], exc)
+            logger.info("round %d: cannot reach leader %s: %r", attempt.round, leader[-8:], exc)
             return _SKIP_UNREACHABLE_S
         link = Link(leader, reader, writer)
         try:
@@ -296,6 +301,7 @@ class Matchmaker:
             await write_frame(writer, request, timeout=d.control)
             reply, _ = await read_frame(reader, pb.JoinReply, max_payload=0, timeout=d.control)
             if reply.status != pb.JoinReply.ACCEPTED:
+                logger.debug("round %d: %s turned us down: %s", attempt.round, leader[-8:], reply.message)
                 if reply.status == pb.JoinReply.INCOMPATIBLE and reply.message not in self.refusals:
                     self.refusals.append(reply.message)
                     logger.error("peer %s refused us: %s", leader[-8:], reply.message)
@@ -331,6 +337,7 @@ class Matchmaker:
     async def _handle_join(self, caller: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         d = self.deadlines
         collect: _Collecting | None = None
+        link = Link(caller, reader, writer)
         try:
             request, _ = await read_frame(reader, pb.JoinRequest, max_payload=0, timeout=d.control)
             collect = self._collect
@@ -348,7 +355,7 @@ class Matchmaker:
             if accepted:
                 # Registered before the reply goes out: a group that closes while the reply is in flight still
                 # counts this member and sends it GroupClosed, instead of leaving it waiting out the round.
-                collect.members[caller] = Link(caller, reader, writer)
+                collect.members[caller] = link
                 collect.changed.set()
             else:
                 collect = None
@@ -363,7 +370,7 @@ class Matchmaker:
                 await asyncio.wait_for(reader.read(1), timeout=d.linger)
         except (TimeoutError, WireError, asyncio.CancelledError, ConnectionError) as exc:
             logger.debug("join stream from %s ended: %r", caller[-8:], exc)
-            if collect is not None and not collect.closed and collect.members.get(caller) is not None:
+            if collect is not None and not collect.closed and collect.members.get(caller) is link:
                 collect.members.pop(caller, None)  # the reply never got through: not a member after all
                 collect.changed.set()
         finally:

@@ -81,14 +81,3 @@ class PeerRecord:
             return {}
         return value if isinstance(value, dict) else {}
 
-
-def compatibility_problem(records: dict[str, PeerRecord], *, fingerprint: str, config: dict[str, Any]) -> str | None:
-    """Why this peer cannot join the swarm described by `records`, or None. A swarm is joinable as soon as one
-    record speaks our protocol version and trains our model; otherwise the message names what differs."""
-    if not records or any(r.version == PROTOCOL_VERSION and r.fingerprint == fingerprint for r in records.values()):
-        return None
-    rec = next(iter(records.values()))
-    if rec.version != PROTOCOL_VERSION:
-        return (f"the swarm speaks protocol version {rec.version}, this peer {PROTOCOL_VERSION}; "
-                "install the matching swarmloco")
-    return f"the swarm trains a different model: {describe_difference(config, rec.config())}"

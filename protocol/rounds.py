@@ -20,7 +20,7 @@ import torch
 
 from protocol.codecs import get_codec
 from protocol.outcome import Outcome as Outcome  # re-exported: the words for how a round ended sit beside its rules
-from protocol.records import PROTOCOL_VERSION, PeerRecord
+from protocol.records import PROTOCOL_VERSION, PeerRecord, describe_difference
 
 MAX_TOKENS = 2**40  # no honest peer trains on a trillion tokens in one round; larger claims are refused
 
@@ -104,6 +104,18 @@ class Behind:
 def compatible(records: Mapping[str, PeerRecord], fingerprint: str) -> dict[str, PeerRecord]:
     """The records of peers that speak our protocol version and train our model (the only ones we average with)."""
     return {p: r for p, r in records.items() if r.version == PROTOCOL_VERSION and r.fingerprint == fingerprint}
+
+
+def compatibility_problem(records: Mapping[str, PeerRecord], *, fingerprint: str, config: dict[str, Any]) -> str | None:
+    """Why this peer cannot join the swarm described by `records`, or None. A swarm is joinable as soon as one
+    record speaks our protocol version and trains our model; otherwise the message names what differs."""
+    if not records or compatible(records, fingerprint):
+        return None
+    rec = next(iter(records.values()))
+    if rec.version != PROTOCOL_VERSION:
+        return (f"the swarm speaks protocol version {rec.version}, this peer {PROTOCOL_VERSION}; "
+                "install the matching swarmloco")
+    return f"the swarm trains a different model: {describe_difference(config, rec.config())}"
 
 
 def pick_leader(me: str, my_members: int, candidates: Mapping[str, PeerRecord], quorum: int) -> str:

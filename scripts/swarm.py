@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from protocol.outcome import Outcome
+
 logger = logging.getLogger(__name__)
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -240,7 +242,7 @@ def merge_rounds(peers: list[PeerProc]) -> list[dict[str, Any]]:
     by_round: dict[int, dict[str, Any]] = {}
     for p in peers:
         for e in p.events:
-            if e.get("event") != "round" or e.get("outcome") not in ("committed", "hash_mismatch"):
+            if e.get("event") != "round" or e.get("outcome") not in (Outcome.COMMITTED, Outcome.MISMATCH):
                 continue
             rec = by_round.setdefault(
                 int(e["round"]), {"round": int(e["round"]), "hashes": {}, "leader": e.get("leader")}
@@ -257,7 +259,9 @@ def merge_rounds(peers: list[PeerProc]) -> list[dict[str, Any]]:
                     excluded=e.get("excluded"),
                 )
     for rec in by_round.values():
-        rec["outcome"] = "committed" if len(set(rec["hashes"].values())) == 1 else "split"
+        # peers that applied the same round but disagree on its result: the swarm split, whatever each peer logged
+        agreed = len(set(rec["hashes"].values())) == 1
+        rec["outcome"] = Outcome.COMMITTED.value if agreed else Outcome.MISMATCH.value
     return [by_round[k] for k in sorted(by_round)]
 
 
@@ -384,7 +388,7 @@ def run_swarm(args: argparse.Namespace) -> int:
     if args.summary_json:
         Path(args.summary_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.summary_json).write_text(json.dumps(summary, indent=2))
-    ok = bool(rounds) and all(r["outcome"] == "committed" for r in rounds) and len(summaries) == args.peers
+    ok = bool(rounds) and all(r["outcome"] == Outcome.COMMITTED for r in rounds) and len(summaries) == args.peers
     print(
         f"done: {len(rounds)} rounds, eval loss {summary['initial_eval_loss']} -> {summary['final_eval_loss']},"
         f" {'all hashes equal' if ok else 'SEE SUMMARY: not every round agreed'}",

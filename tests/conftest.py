@@ -66,3 +66,11 @@ def run_cli(
         text=True,
         timeout=timeout,
     )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Everything under tests/integration starts real processes (peers, p2pd, a coordinator, a browser): marked so,
+    `pytest tests/unit` and `pytest -m "not integration"` are the fast tier."""
+    for item in items:
+        if "integration" in item.path.parts:
+            item.add_marker(pytest.mark.integration)

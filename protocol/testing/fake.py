@@ -106,8 +106,10 @@ class FakeNetwork:
 
     def close(self) -> None:
         async def stop() -> None:
-            for task in [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
                 task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         if self._thread.is_alive():
             asyncio.run_coroutine_threadsafe(stop(), self.loop).result(5)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hashlib
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -98,6 +99,10 @@ def test_three_peers_commit_the_same_token_weighted_average(net: FakeNetwork) ->
     assert len({r.state_hash for r in results}) == 1 and all(r.state_hash == r.leader_hash for r in results)
     leader = next(r for r in results if r.role == "leader")
     assert leader.members == ["peer-0", "peer-1", "peer-2"] and leader.weights == [100, 200, 300]
+    # every byte the leader reports sending is one a member reports receiving, and the other way round
+    members = [r for r in results if r.role == "member"]
+    assert leader.bytes_sent == sum(r.bytes_received for r in members) > 0
+    assert leader.bytes_received == sum(r.bytes_sent for r in members) > 0
     expected = (1 * 100 + 2 * 200 + 3 * 300) / 600
     assert all(torch.allclose(a.calls[0], torch.full((NUMEL,), expected)) for a in applied)
 
@@ -208,6 +213,51 @@ def test_member_that_never_sends_is_excluded_and_the_round_commits(net: FakeNetw
     assert [r.outcome for r in results] == [Outcome.COMMITTED] * 2, results
     assert "no contribution" in results[0].excluded["peer-silent"], results[0].excluded
     assert results[0].members == ["peer-0", "peer-1"] and results[0].state_hash == results[1].state_hash
+
+
+def test_a_peer_that_goes_to_join_another_leader_stops_admitting_members(net: FakeNetwork) -> None:
+    """peer-5 leads alone, then sees a leader it prefers and goes to join it. While that join is in flight, a third
+    peer asking peer-5 must be turned away: before, it was admitted to a group peer-5 never closed, and waited."""
+    (lone,) = _peers_named(net, ["peer-5"], quorum=2)
+    found = lone.find_group(0, H0)
+    time.sleep(0.05)  # peer-5 is collecting, nobody else is ready
+    preferred = net.peer("peer-1")
+    reply_now = asyncio.Event()
+    asked = threading.Event()
+
+    async def slow_leader(caller: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_frame(reader, pb.JoinRequest, max_payload=0, timeout=1)
+        asked.set()
+        await reply_now.wait()  # keeps peer-5's join in flight
+        await write_frame(writer, pb.JoinReply(status=pb.JoinReply.NOT_LEADER, message="test"), timeout=1)
+
+    net.call(preferred.add_handler(lone.matchmaker.handler_name, slow_leader), timeout=1)  # type: ignore[union-attr]
+    _ready(preferred)
+    assert asked.wait(5), "peer-5 never went to join the preferred leader"
+    asker = net.peer("peer-7")
+
+    async def ask() -> int:
+        reader, writer = await asker.open_stream("peer-5", lone.matchmaker.handler_name, timeout=1)  # type: ignore[union-attr]
+        await write_frame(writer, pb.JoinRequest(protocol_version=PROTOCOL_VERSION, run_id=asker.run_id, fingerprint="fp",
+                                                 round=0, state_hash=H0), timeout=1)
+        reply, _ = await read_frame(reader, pb.JoinReply, max_payload=0, timeout=1)
+        return reply.status
+
+    assert net.call(ask(), timeout=5) == pb.JoinReply.NOT_LEADER
+    reply_now.set()
+    found.cancel()
+
+
+def _peers_named(net: FakeNetwork, names: list[str], *, quorum: int) -> list[Averager]:
+    out = []
+    for name in names:
+        transport = net.peer(name)
+        averager = Averager(transport, RoundConfig(quorum=quorum, **FAST), MODEL)
+        averager.start()
+        averager.set_state(0, H0)
+        _ready(transport)
+        out.append(averager)
+    return out
 
 
 class _SlowReplyWriter:

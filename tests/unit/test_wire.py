@@ -7,7 +7,8 @@ import struct
 import pytest
 
 from protocol import swarmloco_wire_pb2 as pb
-from protocol.records import PROTOCOL_VERSION, PeerRecord, compatibility_problem
+from protocol.records import PROTOCOL_VERSION, PeerRecord
+from protocol.rounds import compatibility_problem
 from protocol.wire import WireError, read_frame
 
 H1 = "1" * 64
