@@ -62,6 +62,11 @@ def _ready(transport: FakeTransport, round_number: int = 0) -> None:
     )
 
 
+def _join_request(transport: FakeTransport) -> pb.JoinRequest:
+    return pb.JoinRequest(protocol_version=PROTOCOL_VERSION, run_id=transport.run_id, fingerprint="fp", round=0,
+                          state_hash=H0)
+
+
 def _delta(i: int) -> torch.Tensor:
     return torch.full((NUMEL,), float(i + 1))
 
@@ -132,13 +137,7 @@ def test_member_dying_after_join_is_left_out(net: FakeNetwork) -> None:
 
     async def join_then_die() -> None:
         reader, writer = await victim.open_stream(leader.transport.peer_id, leader.matchmaker.handler_name, timeout=1)  # type: ignore[union-attr]
-        await write_frame(
-            writer,
-            pb.JoinRequest(
-                protocol_version=PROTOCOL_VERSION, run_id=victim.run_id, fingerprint="fp", round=0, state_hash=H0
-            ),
-            timeout=1,
-        )
+        await write_frame(writer, _join_request(victim), timeout=1)
         reply, _ = await read_frame(reader, pb.JoinReply, max_payload=0, timeout=1)
         assert reply.status == pb.JoinReply.ACCEPTED, reply
 
@@ -183,13 +182,7 @@ def test_member_that_never_sends_is_excluded_and_the_round_commits(net: FakeNetw
 
     async def join_and_hold() -> None:
         reader, writer = await silent.open_stream("peer-0", averagers[0].matchmaker.handler_name, timeout=1)  # type: ignore[union-attr]
-        await write_frame(
-            writer,
-            pb.JoinRequest(
-                protocol_version=PROTOCOL_VERSION, run_id=silent.run_id, fingerprint="fp", round=0, state_hash=H0
-            ),
-            timeout=1,
-        )
+        await write_frame(writer, _join_request(silent), timeout=1)
         held.append((reader, writer))  # never sends a contribution, never closes
 
     found = averagers[0].find_group(0, H0)
@@ -238,8 +231,7 @@ def test_a_peer_that_goes_to_join_another_leader_stops_admitting_members(net: Fa
 
     async def ask() -> int:
         reader, writer = await asker.open_stream("peer-5", lone.matchmaker.handler_name, timeout=1)  # type: ignore[union-attr]
-        await write_frame(writer, pb.JoinRequest(protocol_version=PROTOCOL_VERSION, run_id=asker.run_id, fingerprint="fp",
-                                                 round=0, state_hash=H0), timeout=1)
+        await write_frame(writer, _join_request(asker), timeout=1)
         reply, _ = await read_frame(reader, pb.JoinReply, max_payload=0, timeout=1)
         return reply.status
 
@@ -284,9 +276,7 @@ def test_group_closing_while_the_accept_is_in_flight_still_counts_the_member(net
     transport = net.peer("leader")
     _ready(transport)
     mm = Matchmaker(transport, RoundConfig(quorum=2, **FAST), MODEL, data_plane=None, dial_data_plane=False)
-    request = pb.JoinRequest(
-        protocol_version=PROTOCOL_VERSION, run_id=transport.run_id, fingerprint="fp", round=0, state_hash=H0
-    )
+    request = _join_request(transport)
 
     async def race() -> tuple[Group, bytes, bool]:
         mm.set_state(0, H0)
@@ -323,9 +313,7 @@ def test_abandoned_group_ends_a_member_stream_whose_accept_was_in_flight(net: Fa
     transport = net.peer("leader")
     _ready(transport)
     mm = Matchmaker(transport, RoundConfig(quorum=2, **FAST), MODEL, data_plane=None, dial_data_plane=False)
-    request = pb.JoinRequest(
-        protocol_version=PROTOCOL_VERSION, run_id=transport.run_id, fingerprint="fp", round=0, state_hash=H0
-    )
+    request = _join_request(transport)
 
     async def abandon() -> bool:
         mm.set_state(0, H0)
