@@ -57,15 +57,15 @@ class TrainingLoop:
         self.progress = Progress(
             log_format=cfg.run.log_format, total_steps=cfg.run.max_steps or None, initial_step=replica.step
         )
-        if hasattr(self.hooks, "on_fire"):
-            self.hooks.on_fire = lambda phase, action, rnd: self.progress.event(
-                "fault", phase=phase, action=action, round=rnd
-            )
+        self.hooks.observe(self._fault_fired)
         self.history: list[dict[str, Any]] = []
         self.compute_s = 0.0
         self.initial_eval = 0.0
         self.on_step: Callable[[float], None] | None = None  # the swarm's coordinator reports
         self.checkpoint_dir = f"{cfg.run.workdir}/checkpoint"
+
+    def _fault_fired(self, phase: str, action: str, round_number: int) -> None:
+        self.progress.event("fault", phase=phase, action=action, round=round_number)
 
     # --- when a round, and the run, are over ----------------------------------------------------------------------
     def done(self) -> bool:

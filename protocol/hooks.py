@@ -6,10 +6,14 @@ be reached from a real run unless a harness passes one in.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
 class Hooks:
+    def observe(self, report: Callable[[str, str, int], None]) -> None:
+        """Where to report (phase, action, round) each time the harness steps in; the no-op hooks never do."""
     def inner_step(self, round_number: int) -> None:
         """Before each inner training step."""
 

@@ -115,14 +115,10 @@ def table(title: str, headers: Sequence[str], rows: Iterable[Sequence[Any]], not
 
 def machine_info() -> dict[str, Any]:
     """What the numbers were measured on."""
+    import hivemind
     import torch
 
-    try:
-        import hivemind
-
-        hv = hivemind.__version__
-    except ImportError:
-        hv = None
+    hv = hivemind.__version__
     cpu = platform.processor()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -75,6 +75,9 @@ class FaultInjector(Hooks):
             self.kill()
 
     # --- the hooks ------------------------------------------------------------------------------------------------
+    def observe(self, report: Callable[[str, str, int], None]) -> None:
+        self.on_fire = report
+
     def inner_step(self, round_number: int) -> None:
         self._hit("inner_step", round_number)
 
