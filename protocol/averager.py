@@ -88,10 +88,6 @@ class Averager:
         self.data_plane: DataPlane | None = None
         self.matchmaker: Matchmaker | None = None
 
-    @property
-    def refusals(self) -> list[str]:
-        return self.matchmaker.refusals if self.matchmaker is not None else []
-
     def start(self, *, timeout: float = 30.0) -> None:
         self.transport.call(self._start(), timeout=timeout)
 

@@ -152,7 +152,7 @@ class Matchmaker:
         self.data_plane, self.dial_data_plane = data_plane, dial_data_plane
         self.handler_name = f"swarmloco/{transport.run_id}/avg/v{PROTOCOL_VERSION}"
         self.round, self.state_hash = 0, ""
-        self.refusals: list[str] = []  # why other peers refused us, for the user
+        self.refusals: list[str] = []  # why other peers refused us: each reason is logged once
         self._collect: _Collecting | None = None
 
     async def register(self) -> None:
