@@ -15,6 +15,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from peer.config import PeerConfig
 from peer.progress import round_float
 from peer.replica import Replica
@@ -106,7 +108,8 @@ class SwarmSync:
                 return
 
     # --- state ----------------------------------------------------------------------------------------------------
-    def publish_state(self, *, ready: bool = False) -> None:
+    def publish_state(self) -> None:
+        """Serve and announce the global state this peer now holds (not ready: its new round starts now)."""
         r = self.replica
         self.state_hash = r.state_hash()
         self.server.publish(ServedState(round=r.round, state_hash=self.state_hash, blob=state_blob(r)))
@@ -117,7 +120,7 @@ class SwarmSync:
             config_json=self.model.config_json,
             round=r.round,
             state_hash=self.state_hash,
-            ready=ready,
+            ready=False,
             leading=0,
             eta=time.time() + 60,
             updated=time.time(),
@@ -237,7 +240,8 @@ class SwarmSync:
             return
         self.average(outcome, entry)
 
-    def _apply(self, average: Any) -> str:
+    def _apply(self, average: torch.Tensor) -> str:
+        """The outer step with the round's average, on the training thread; returns the new state hash."""
         r = self.replica
         r.apply_outer(unflatten(average, r.global_params, r.names))
         return r.state_hash()
