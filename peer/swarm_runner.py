@@ -29,7 +29,7 @@ from protocol.hooks import Hooks
 from protocol.identity import load_or_create_identity
 from protocol.matchmaking import Group, RoundAborted
 from protocol.node import SwarmNode
-from protocol.records import PROTOCOL_VERSION, PeerRecord
+from protocol.records import PeerRecord
 from protocol.rounds import Behind, Outcome, choose_target, compatibility_problem, compatible, group_forming
 from protocol.state_sync import ServedState, StateServer, StateSyncError, download_state
 
@@ -108,23 +108,16 @@ class SwarmSync:
                 return
 
     # --- state ----------------------------------------------------------------------------------------------------
-    def publish_state(self) -> None:
-        """Serve and announce the global state this peer now holds (not ready: its new round starts now)."""
+    def publish_state(self, state_hash: str | None = None) -> None:
+        """Serve and announce the global state this peer now holds (not ready: its new round starts now).
+        `state_hash` is the state's hash when the caller already has it (hashing θ and m is a pass over both)."""
         r = self.replica
-        self.state_hash = r.state_hash()
+        self.state_hash = state_hash or r.state_hash()
         self.server.publish(ServedState(round=r.round, state_hash=self.state_hash, blob=state_blob(r)))
         self.averager.set_state(r.round, self.state_hash)
-        self.node.update_record(
-            version=PROTOCOL_VERSION,
-            fingerprint=self.model.fingerprint,
-            config_json=self.model.config_json,
-            round=r.round,
-            state_hash=self.state_hash,
-            ready=False,
-            leading=0,
-            eta=time.time() + 60,
-            updated=time.time(),
-        )
+        record = PeerRecord.announce(fingerprint=self.model.fingerprint, config_json=self.model.config_json,
+                                     round=r.round, state_hash=self.state_hash, eta=time.time() + 60)
+        self.node.update_record(**record.to_value())
 
     def sync_to(self, target: Behind) -> bool:
         """Download, verify and adopt the agreed state; local progress is kept as a stale contribution if young
@@ -162,7 +155,7 @@ class SwarmSync:
             failures=bad,
             seconds=round_float(time.perf_counter() - started),
         )
-        self.publish_state()
+        self.publish_state(target.state_hash)  # rebase loaded exactly the bytes verified against it
         return True
 
     # --- one round ------------------------------------------------------------------------------------------------
@@ -270,7 +263,7 @@ class SwarmSync:
         )
         if result.outcome == Outcome.MISMATCH:
             entry["leader_hash"] = result.leader_hash
-        self.publish_state()
+        self.publish_state(result.state_hash)  # apply() returned it
         self.log_round(self.loop.after_round(entry), recorded=True)
         if result.outcome == Outcome.MISMATCH:
             donors = [result.leader, *[m for m in result.members if m not in (result.leader, self.node.peer_id)]]

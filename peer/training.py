@@ -68,16 +68,14 @@ class TrainingLoop:
         self.progress.event("fault", phase=phase, action=action, round=round_number)
 
     # --- when a round, and the run, are over ----------------------------------------------------------------------
-    def done(self) -> bool:
-        run, r = self.cfg.run, self.replica
-        return (
-            bool(self.stop)
-            or bool(run.max_steps and r.step >= run.max_steps)
-            or bool(run.max_rounds and r.round >= run.max_rounds)
-        )
-
     def steps_exhausted(self) -> bool:
+        """Stop requested or --max-steps reached: no more inner steps, even mid-round."""
         return bool(self.stop) or bool(self.cfg.run.max_steps and self.replica.step >= self.cfg.run.max_steps)
+
+    def done(self) -> bool:
+        """The run is over: no more steps, or --max-rounds rounds reached."""
+        max_rounds = self.cfg.run.max_rounds
+        return self.steps_exhausted() or bool(max_rounds and self.replica.round >= max_rounds)
 
     def budget_spent(self, round_started: float) -> bool:
         r, budget = self.replica, self.cfg.budget

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -48,6 +49,15 @@ class PeerRecord:
 
     def to_value(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def announce(cls, *, fingerprint: str, config_json: str, round: int, state_hash: str, ready: bool = False,
+                 eta: float | None = None) -> PeerRecord:
+        """This peer's own record for a state it now holds: our protocol version, nobody led yet, ready time `eta`
+        (unix seconds; now when omitted)."""
+        now = time.time()
+        return cls(version=PROTOCOL_VERSION, fingerprint=fingerprint, config_json=config_json, round=round,
+                   state_hash=state_hash, ready=ready, leading=0, eta=now if eta is None else eta, updated=now)
 
     @classmethod
     def parse(cls, value: Any) -> PeerRecord | None:

@@ -40,7 +40,7 @@ def _allreduce_worker(
 
     from protocol.averager import Averager, Contribution
     from protocol.node import NetworkConfig, SwarmNode
-    from protocol.records import PROTOCOL_VERSION
+    from protocol.records import PeerRecord
     from protocol.rounds import LocalModel, Outcome, RoundConfig
 
     torch.set_num_threads(1)
@@ -60,17 +60,8 @@ def _allreduce_worker(
         delta = torch.randn(numel, generator=torch.Generator().manual_seed(index))
         results = []
         for rep in range(reps):
-            node.update_record(
-                version=PROTOCOL_VERSION,
-                fingerprint="bench",
-                config_json="{}",
-                round=rep,
-                state_hash=HASH,
-                ready=True,
-                leading=0,
-                eta=time.time(),
-                updated=time.time(),
-            )
+            node.update_record(**PeerRecord.announce(fingerprint="bench", config_json="{}", round=rep, state_hash=HASH,
+                                                     ready=True).to_value())
             averager.set_state(rep, HASH)
             # outlives round_timeout_s, so a matchmaking stall surfaces as form_group's own RoundAborted message
             group = averager.find_group(rep, HASH).result(timeout=cfg.round_timeout_s + 30)

@@ -11,7 +11,7 @@ from protocol.hashing import hash_tensors
 from protocol.hooks import Hooks
 from protocol.matchmaking import Group
 from protocol.node import NetworkConfig, SwarmNode
-from protocol.records import PROTOCOL_VERSION, PeerRecord
+from protocol.records import PeerRecord
 from protocol.rounds import LocalModel, RoundConfig
 from protocol.state_sync import ServedState, StateServer, StateSyncError, download_state
 
@@ -57,17 +57,8 @@ def test_split_groups_below_quorum_merge() -> None:
             n.fetch_records = partitioned(n)  # type: ignore[method-assign]
             visible[n.peer_id] = next(h for h in halves if n.peer_id in h)
             averager.start()
-            n.update_record(
-                version=PROTOCOL_VERSION,
-                fingerprint="fp",
-                config_json="{}",
-                round=0,
-                state_hash=H1,
-                ready=True,
-                leading=0,
-                eta=time.time(),
-                updated=time.time(),
-            )
+            record = PeerRecord.announce(fingerprint="fp", config_json="{}", round=0, state_hash=H1, ready=True)
+            n.update_record(**record.to_value())
         futures = [a.find_group(0, H1) for a in averagers]
         deadline = time.monotonic() + 30
         while sum(1 for a in averagers if a.matchmaker._collect is not None and a.matchmaker._collect.members) < 2:

@@ -16,7 +16,7 @@ from protocol import swarmloco_wire_pb2 as pb
 from protocol.averager import Averager, Contribution, RoundResult
 from protocol.hooks import Hooks
 from protocol.matchmaking import Group, Matchmaker
-from protocol.records import PROTOCOL_VERSION
+from protocol.records import PROTOCOL_VERSION, PeerRecord
 from protocol.rounds import Behind, LocalModel, Outcome, RoundConfig
 from protocol.testing.fake import FakeNetwork, FakeTransport
 from protocol.wire import read_frame, write_frame
@@ -49,17 +49,8 @@ def _peers(net: FakeNetwork, n: int, *, quorum: int, hooks: dict[int, Hooks] | N
 
 
 def _ready(transport: FakeTransport, round_number: int = 0) -> None:
-    transport.update_record(
-        version=PROTOCOL_VERSION,
-        fingerprint="fp",
-        config_json="{}",
-        round=round_number,
-        state_hash=H0,
-        ready=True,
-        leading=0,
-        eta=time.time(),
-        updated=time.time(),
-    )
+    record = PeerRecord.announce(fingerprint="fp", config_json="{}", round=round_number, state_hash=H0, ready=True)
+    transport.update_record(**record.to_value())
 
 
 def _join_request(transport: FakeTransport) -> pb.JoinRequest:
@@ -334,17 +325,8 @@ def test_abandoned_group_ends_a_member_stream_whose_accept_was_in_flight(net: Fa
 def test_a_peer_behind_is_told_to_fetch_the_newer_state(net: FakeNetwork) -> None:
     (averager,) = _peers(net, 1, quorum=2)
     ahead = net.peer("ahead")
-    ahead.update_record(
-        version=PROTOCOL_VERSION,
-        fingerprint="fp",
-        config_json="{}",
-        round=3,
-        state_hash="3" * 64,
-        ready=False,
-        leading=0,
-        eta=0.0,
-        updated=time.time(),
-    )
+    record = PeerRecord.announce(fingerprint="fp", config_json="{}", round=3, state_hash="3" * 64, eta=0.0)
+    ahead.update_record(**record.to_value())
     found = averager.find_group(0, H0).result(timeout=5)
     assert isinstance(found, Behind) and (found.round, found.donors) == (3, ["ahead"])
 

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _records import H1, H2, rec
 
 from protocol import swarmloco_wire_pb2 as pb
 from protocol.matchmaking import admit
-from protocol.records import PROTOCOL_VERSION, PeerRecord
+from protocol.records import PROTOCOL_VERSION
 from protocol.rounds import (
     MAX_TOKENS,
     Deadlines,
@@ -22,60 +23,42 @@ from protocol.rounds import (
     weighted_average,
 )
 
-H1, H2 = "1" * 64, "2" * 64
-
-
-def _rec(**changes: object) -> PeerRecord:
-    base = dict(
-        version=PROTOCOL_VERSION,
-        fingerprint="fp",
-        config_json='{"d_model": 128}',
-        round=3,
-        state_hash=H1,
-        ready=False,
-        leading=0,
-        eta=0.0,
-        updated=1.0,
-    )
-    base.update(changes)
-    return PeerRecord(**base)  # type: ignore[arg-type]
-
 
 def test_choose_target_prefers_highest_round_then_majority_hash() -> None:
     me = "me"
     assert choose_target({}, me, 3, H1) is None
-    assert choose_target({"a": _rec(round=3, state_hash=H1)}, me, 3, H1) is None
-    behind = choose_target({"a": _rec(round=5, state_hash=H2), "b": _rec(round=4)}, me, 3, H1)
+    assert choose_target({"a": rec(round=3, state_hash=H1)}, me, 3, H1) is None
+    behind = choose_target({"a": rec(round=5, state_hash=H2), "b": rec(round=4)}, me, 3, H1)
     assert behind is not None and (behind.round, behind.state_hash, behind.donors) == (5, H2, ["a"])
     # same round, we are the minority hash: re-sync to the majority
-    split = choose_target({"a": _rec(state_hash=H2), "b": _rec(state_hash=H2)}, me, 3, H1)
+    split = choose_target({"a": rec(state_hash=H2), "b": rec(state_hash=H2)}, me, 3, H1)
     assert split is not None and split.state_hash == H2 and sorted(split.donors) == ["a", "b"]
     # tie at the same round: every peer picks the smallest hash, so exactly one side re-syncs
-    assert choose_target({"a": _rec(state_hash=H2)}, me, 3, H1) is None
-    tie = choose_target({"a": _rec(state_hash=H1)}, me, 3, H2)
+    assert choose_target({"a": rec(state_hash=H2)}, me, 3, H1) is None
+    tie = choose_target({"a": rec(state_hash=H1)}, me, 3, H2)
     assert tie is not None and tie.state_hash == H1
 
 
 def test_pick_leader_orders_leaders_the_same_everywhere() -> None:
-    ready = {"b": _rec(ready=True), "c": _rec(ready=True)}
+    ready = {"b": rec(ready=True), "c": rec(ready=True)}
     assert pick_leader("a", 0, ready, quorum=4) == "a"  # nobody leads yet: smallest id
     assert pick_leader("d", 0, ready, quorum=4) == "b"
-    assert pick_leader("a", 0, {"c": _rec(ready=True, leading=1)}, quorum=4) == "c"  # most members wins over id
+    assert pick_leader("a", 0, {"c": rec(ready=True, leading=1)}, quorum=4) == "c"  # most members wins over id
     # a split: we lead 1 member, "b" leads 1 with a smaller id -> we merge into "b"; "b" sees us and stays
-    assert pick_leader("c", 1, {"b": _rec(ready=True, leading=1)}, quorum=4) == "b"
-    assert pick_leader("b", 1, {"c": _rec(ready=True, leading=1)}, quorum=4) == "b"
-    assert pick_leader("a", 1, {"c": _rec(ready=True, leading=2)}, quorum=4) == "c"  # the bigger group wins
-    assert pick_leader("c", 2, {"a": _rec(ready=True, leading=1)}, quorum=4) == "c"
+    assert pick_leader("c", 1, {"b": rec(ready=True, leading=1)}, quorum=4) == "b"
+    assert pick_leader("b", 1, {"c": rec(ready=True, leading=1)}, quorum=4) == "b"
+    assert pick_leader("a", 1, {"c": rec(ready=True, leading=2)}, quorum=4) == "c"  # the bigger group wins
+    assert pick_leader("c", 2, {"a": rec(ready=True, leading=1)}, quorum=4) == "c"
     # a group that has reached quorum is about to close: it never merges away
-    assert pick_leader("c", 1, {"b": _rec(ready=True, leading=3)}, quorum=2) == "c"
+    assert pick_leader("c", 1, {"b": rec(ready=True, leading=3)}, quorum=2) == "c"
 
 
 def test_compatible_and_group_forming() -> None:
-    records = {"a": _rec(), "b": _rec(fingerprint="other"), "c": _rec(version=PROTOCOL_VERSION + 1)}
+    records = {"a": rec(), "b": rec(fingerprint="other"), "c": rec(version=PROTOCOL_VERSION + 1)}
     assert list(compatible(records, "fp")) == ["a"]
-    assert not group_forming({"a": _rec()}, 3, H1)
-    assert group_forming({"a": _rec(ready=True)}, 3, H1) and group_forming({"a": _rec(leading=1)}, 3, H1)
-    assert not group_forming({"a": _rec(ready=True)}, 4, H1) and not group_forming({"a": _rec(ready=True)}, 3, H2)
+    assert not group_forming({"a": rec()}, 3, H1)
+    assert group_forming({"a": rec(ready=True)}, 3, H1) and group_forming({"a": rec(leading=1)}, 3, H1)
+    assert not group_forming({"a": rec(ready=True)}, 4, H1) and not group_forming({"a": rec(ready=True)}, 3, H2)
 
 
 def test_grace_window_waits_for_expected_peers_within_bounds() -> None:

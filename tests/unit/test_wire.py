@@ -5,29 +5,12 @@ import asyncio
 import struct
 
 import pytest
+from _records import rec
 
 from protocol import swarmloco_wire_pb2 as pb
 from protocol.records import PROTOCOL_VERSION, PeerRecord
 from protocol.rounds import compatibility_problem
 from protocol.wire import WireError, read_frame
-
-H1 = "1" * 64
-
-
-def _rec(**changes: object) -> PeerRecord:
-    base = dict(
-        version=PROTOCOL_VERSION,
-        fingerprint="fp",
-        config_json='{"d_model": 128}',
-        round=3,
-        state_hash=H1,
-        ready=False,
-        leading=0,
-        eta=0.0,
-        updated=1.0,
-    )
-    base.update(changes)
-    return PeerRecord(**base)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -45,21 +28,21 @@ def _rec(**changes: object) -> PeerRecord:
     ],
 )
 def test_record_schema_abuse_is_dropped(bad: dict[str, object]) -> None:
-    value = _rec().to_value()
+    value = rec().to_value()
     value.update(bad)
     assert PeerRecord.parse(value) is None
-    assert PeerRecord.parse(_rec().to_value()) == _rec()
+    assert PeerRecord.parse(rec().to_value()) == rec()
     assert PeerRecord.parse("not a dict") is None and PeerRecord.parse(None) is None
 
 
 def test_compatibility_messages_name_the_difference() -> None:
     ours = {"d_model": 320}
     assert compatibility_problem({}, fingerprint="x", config=ours) is None
-    msg = compatibility_problem({"a": _rec()}, fingerprint="other", config=ours)
+    msg = compatibility_problem({"a": rec()}, fingerprint="other", config=ours)
     assert msg is not None and "d_model: ours 320 vs theirs 128" in msg
-    msg = compatibility_problem({"a": _rec(version=PROTOCOL_VERSION + 1)}, fingerprint="fp", config=ours)
+    msg = compatibility_problem({"a": rec(version=PROTOCOL_VERSION + 1)}, fingerprint="fp", config=ours)
     assert msg is not None and f"protocol version {PROTOCOL_VERSION + 1}" in msg
-    assert compatibility_problem({"a": _rec(), "b": _rec(fingerprint="other")}, fingerprint="fp", config=ours) is None
+    assert compatibility_problem({"a": rec(), "b": rec(fingerprint="other")}, fingerprint="fp", config=ours) is None
 
 
 def _reader(data: bytes) -> asyncio.StreamReader:
