@@ -187,7 +187,10 @@ class SwarmNode:
         return threading.current_thread() is self._thread
 
     def _apply_record(self, changes: dict[str, Any]) -> None:
-        self._record = replace(self._record, **changes) if self._record is not None else PeerRecord(**changes)
+        record = replace(self._record, **changes) if self._record is not None else PeerRecord(**changes)
+        if record == self._record:
+            return  # nothing new to tell (a leader re-states its member count on every poll); the heartbeat refreshes
+        self._record = record
         self.loop.create_task(self._publish())
 
     async def _publish(self) -> None:
