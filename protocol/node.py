@@ -21,7 +21,7 @@ from hivemind.utils import get_dht_time
 
 from protocol.data_plane import hosts_from_maddrs
 from protocol.records import PeerRecord, peers_key
-from protocol.transport import Stream, StreamHandler
+from protocol.transport import Stream, StreamHandler, run_on
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -128,12 +128,7 @@ class SwarmNode:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def call(self, coro: Coroutine[Any, Any, T], *, timeout: float) -> T:
-        future = self.submit(coro)
-        try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise
+        return run_on(self.loop, coro, timeout=timeout)
 
     # --- identity, addresses, handlers ----------------------------------------------------------------------------
     @property

@@ -58,3 +58,14 @@ class Transport(Protocol):
     def data_plane_hosts(self) -> tuple[str, list[str]] | None:
         """(bind host, advertised hosts) for the direct TCP data plane, or None when it is off."""
         ...
+
+
+def run_on(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T], *, timeout: float) -> T:
+    """Run `coro` on `loop` (another thread's) and wait for its result; past `timeout` it is cancelled there and
+    TimeoutError raised here. The one implementation of `Transport.call`."""
+    future = asyncio.run_coroutine_threadsafe(coro, loop)
+    try:
+        return future.result(timeout)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise

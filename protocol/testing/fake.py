@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import Any, TypeVar
 
 from protocol.records import PeerRecord
-from protocol.transport import Stream, StreamHandler
+from protocol.transport import Stream, StreamHandler, run_on
 
 T = TypeVar("T")
 
@@ -97,12 +97,7 @@ class FakeNetwork:
                     end.other.close()
 
     def call(self, coro: Coroutine[Any, Any, T], *, timeout: float) -> T:
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise
+        return run_on(self.loop, coro, timeout=timeout)
 
     def close(self) -> None:
         async def stop() -> None:
