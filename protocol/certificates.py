@@ -1,0 +1,162 @@
+"""Commit certificates: the proof that θ_{r+1} is the swarm's state and not one peer's claim.
+
+A round's members each re-derive θ_{r+1} from the average they received and sign one `Statement`: the run, the
+new round number, the previous and the new state hash, who contributed with which weight, how many active peers
+the group was formed among (`swarm`), and the chain's cumulative certified tokens (`work`). A `Certificate` is that
+statement with signatures of at least `need(swarm, quorum)` distinct admitted members: a majority of the active
+swarm, so two disjoint groups cannot both certify the same round.
+
+Everything here is checked offline by whoever receives a certificate: signatures against the keys inlined in the
+peer ids, tickets against the run's authority (`protocol.admission.Gate`).
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from protocol.admission import Gate
+from protocol.identity import Identity, verify
+
+__all__ = ["Certificate", "Head", "Statement", "need", "supports"]
+
+MAX_CERT_BYTES = 512 * 1024
+MAX_MEMBERS = 10_000
+MAX_WORK = 2**62
+_DOMAIN = b"swarmloco-commit-v1\n"
+_HASH = re.compile(r"[0-9a-f]{64}")
+
+
+def need(swarm: int, quorum: int) -> int:
+    """Signatures a round of a `swarm`-peer swarm needs: the quorum, and more than half of the swarm."""
+    return max(quorum, swarm // 2 + 1)
+
+
+def supports(statement: Statement, active: int) -> bool:
+    """Whether a certificate made among `statement.swarm` peers speaks for a swarm in which we now see `active`
+    peers past genesis: a group that was a majority of at least half of them. A few colluders signing among
+    themselves claim a small swarm, and fail this against the honest peers we see."""
+    return 2 * statement.swarm >= active
+
+
+@dataclass(frozen=True, kw_only=True)
+class Statement:
+    run_id: str
+    round: int  # the new round r+1
+    prev_hash: str  # θ_r
+    new_hash: str  # θ_{r+1}
+    members: tuple[str, ...]  # contributors, sorted
+    weights: tuple[int, ...]  # their merge weights, same order
+    swarm: int  # active peers the group was formed among
+    work: int  # cumulative certified tokens of the chain, θ_{r+1} included
+
+    def body(self) -> bytes:
+        value = {**asdict(self), "members": list(self.members), "weights": list(self.weights)}
+        return _DOMAIN + json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+
+    def problem(self) -> str:
+        """Why this statement is malformed ("" when well formed)."""
+        if not (isinstance(self.round, int) and 1 <= self.round < 2**40):
+            return "round outside 1 .. 2^40"
+        if not (isinstance(self.prev_hash, str) and _HASH.fullmatch(self.prev_hash)
+                and isinstance(self.new_hash, str) and _HASH.fullmatch(self.new_hash)):
+            return "state hashes must be 64 hex digits"
+        if not (0 < len(self.members) <= MAX_MEMBERS and list(self.members) == sorted(set(self.members))):
+            return "members must be a non-empty sorted list without repeats"
+        if not all(isinstance(m, str) and 0 < len(m) <= 128 for m in self.members):
+            return "members must be peer ids"
+        if len(self.weights) != len(self.members) or not all(
+            isinstance(w, int) and not isinstance(w, bool) and 0 <= w < 2**48 for w in self.weights
+        ):
+            return "weights must be one non-negative integer per member"
+        if not (isinstance(self.swarm, int) and len(self.members) <= self.swarm <= MAX_MEMBERS):
+            return "swarm must count at least the members"
+        if not (isinstance(self.work, int) and sum(self.weights) <= self.work < MAX_WORK):
+            return "work must include this round's weights"
+        return ""
+
+
+@dataclass(frozen=True)
+class Certificate:
+    statement: Statement
+    signatures: dict[str, str] = field(default_factory=dict)  # signer -> hex signature of statement.body()
+    tickets: dict[str, str] = field(default_factory=dict)  # signer -> its ticket (empty in a private swarm)
+
+    @staticmethod
+    def sign(identity: Identity, statement: Statement) -> str:
+        return identity.sign(statement.body()).hex()
+
+    def to_bytes(self) -> bytes:
+        s = self.statement
+        value = {"statement": {**asdict(s), "members": list(s.members), "weights": list(s.weights)},
+                 "signatures": self.signatures, "tickets": self.tickets}
+        return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> Certificate:
+        """Parse (not verify); raises ValueError for anything malformed."""
+        if not raw or len(raw) > MAX_CERT_BYTES:
+            raise ValueError(f"certificate must be 1 .. {MAX_CERT_BYTES} bytes, got {len(raw)}")
+        try:
+            value: Any = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise ValueError("certificate is not JSON") from None
+        if not isinstance(value, dict) or set(value) != {"statement", "signatures", "tickets"}:
+            raise ValueError("certificate must have exactly statement, signatures and tickets")
+        st, sigs, tickets = value["statement"], value["signatures"], value["tickets"]
+        if not isinstance(st, dict) or set(st) != set(Statement.__dataclass_fields__):
+            raise ValueError("certificate statement has the wrong fields")
+        if not isinstance(st["members"], list) or not isinstance(st["weights"], list):
+            raise ValueError("certificate members and weights must be lists")
+        for mapping in (sigs, tickets):
+            if not isinstance(mapping, dict) or len(mapping) > MAX_MEMBERS or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()
+            ):
+                raise ValueError("certificate signatures and tickets must map peer ids to strings")
+        statement = Statement(**{**st, "members": tuple(st["members"]), "weights": tuple(st["weights"])})
+        return cls(statement, dict(sigs), dict(tickets))
+
+    def problem(self, *, run_id: str, gate: Gate, quorum: int) -> str:
+        """Why this certificate does not prove its statement ("" when it does)."""
+        s = self.statement
+        if s.run_id != run_id:
+            return f"certificate is for run {s.run_id!r}"
+        malformed = s.problem()
+        if malformed:
+            return f"malformed statement: {malformed}"
+        members = set(s.members)
+        body = s.body()
+        valid = 0
+        for signer, signature in self.signatures.items():
+            if signer not in members:
+                return f"signer {signer[:16]}… is not a member of the round"
+            refused = gate.check(self.tickets.get(signer), signer, role="trainer")
+            if refused:
+                return f"signer {signer[:16]}… is not admitted: {refused}"
+            try:
+                raw = bytes.fromhex(signature)
+            except ValueError:
+                return f"signature of {signer[:16]}… is not hex"
+            if not verify(signer, body, raw):
+                return f"signature of {signer[:16]}… is invalid"
+            valid += 1
+        wanted = need(s.swarm, quorum)
+        if valid < wanted:
+            return f"{valid} valid signature(s), {wanted} needed for a swarm of {s.swarm}"
+        return ""
+
+
+@dataclass(frozen=True)
+class Head:
+    """The certified state a peer holds: θ_0 (no certificate: every peer computes it) or a certified θ_r."""
+
+    round: int
+    state_hash: str
+    work: int = 0
+    certificate: Certificate | None = None
+
+    @classmethod
+    def of(cls, certificate: Certificate) -> Head:
+        s = certificate.statement
+        return cls(s.round, s.new_hash, s.work, certificate)
