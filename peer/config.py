@@ -22,6 +22,7 @@ from typing import Any
 from peer.model import PRESETS
 from peer.options import CONFIG_ENV, ENV_PREFIX, OPTIONS, OTHER_ENV, Option
 from peer.outer import OuterConfig
+from peer.tickets import AdmissionConfig
 from protocol.node import NetworkConfig
 from protocol.rounds import MAX_TOKENS, RoundConfig
 
@@ -160,6 +161,7 @@ class PeerConfig:
     round: RoundConfig = field(default_factory=RoundConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
     @property
     def identity_path(self) -> str:

@@ -112,6 +112,19 @@ OPTIONS: tuple[Option, ...] = (
            "dial the coordinator's DHT node at this host name or IP (/dns4/HOST/tcp/PORT/p2p/ID, so a restarted "
            "coordinator with a new IP is still found); unset: the multiaddrs written in the ready file"),
     Option("--bootstrap-port", "bootstrap", "port", "TCP port of the coordinator's DHT node, with --bootstrap-host"),
+    # [admission]: who may take part in the run, and this peer's ticket
+    Option("--authority", "admission", "authority",
+           "peer id of the run's authority, whose tickets admit peers (default: the coordinator's, or "
+           "--authority-key's)"),
+    Option("--authority-key", "admission", "authority_key",
+           "the run's authority key file: sign this peer's own ticket with it (machines you control; created if "
+           "missing)"),
+    Option("--ticket", "admission", "ticket",
+           "a ticket file the run's authority issued to this peer (swarmloco ticket)"),
+    Option("--invite", "admission", "invite", "invite code for a run that admits by invitation"),
+    Option("--private", "admission", "private",
+           "no authority and no tickets: anyone who can reach the peers takes part (a warning is printed)"),
+    Option("--ticket-lifetime", "admission", "ticket_s", "seconds a ticket signed with --authority-key is valid"),
     # [round]: how averaging groups form and how contributions merge
     Option("--quorum", "round", "quorum", "K: minimum peers in an averaging group"),
     Option("--grace-min", "round", "grace_min_s",

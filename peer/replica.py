@@ -22,6 +22,16 @@ from protocol.hashing import state_hash
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class Snapshot:
+    global_params: dict[str, torch.Tensor]
+    momentum: dict[str, torch.Tensor]
+    local: dict[str, torch.Tensor]
+    round: int
+    round_steps: int
+    round_tokens: int
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -113,6 +123,24 @@ class Replica:
         outer_step(self.global_params, delta, self.momentum, self.outer_cfg)
         self.round = self.round + 1 if new_round is None else new_round
         self.reset_local()
+
+    def snapshot(self) -> Snapshot:
+        """Copies of everything an outer step changes, so that an uncertified round can be undone exactly."""
+        with torch.no_grad():
+            local = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        return Snapshot(
+            global_params={n: t.clone() for n, t in self.global_params.items()},
+            momentum={n: t.clone() for n, t in self.momentum.items()},
+            local=local, round=self.round, round_steps=self.round_steps, round_tokens=self.round_tokens,
+        )
+
+    def restore(self, snap: Snapshot) -> None:
+        """Back to the snapshot: θ_r and m_r, and the local replica with the progress it had made since θ_r."""
+        self.global_params, self.momentum = snap.global_params, snap.momentum
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(snap.local[name])
+        self.round, self.round_steps, self.round_tokens = snap.round, snap.round_steps, snap.round_tokens
 
     def reset_local(self) -> None:
         """Local parameters ← θ_r; inner AdamW state is kept (DiLoCo never averages it)."""

@@ -3,8 +3,10 @@
 Per round: train from θ_r until the budget is spent — or earlier, when a group for our round is already forming
 or the swarm has moved past θ_r (a slow peer then contributes what it has instead of missing the round) — mark
 ourselves ready and keep training while a group forms, then let the averager run the round and apply its result.
-A peer that is behind downloads the agreed state, verified by hash, keeping its recent progress as a discounted
-stale contribution.
+A round counts only with its commit certificate: without one the peer rolls its outer step back and keeps its local
+progress for the next round. A peer that is behind — another peer shows a certified state that outranks its own —
+downloads that state, verified by hash and checked finite, keeping its recent progress as a discounted stale
+contribution.
 """
 from __future__ import annotations
 
@@ -22,15 +24,27 @@ from peer.progress import round_float
 from peer.replica import Replica
 from peer.signals import StopFlag
 from peer.swarm_report import SwarmReports
-from peer.swarm_state import flatten, local_model, parse_blob, rebase, state_blob, unflatten, verify_blob
+from peer.swarm_state import (
+    all_finite,
+    flatten,
+    genesis_hash,
+    local_model,
+    parse_blob,
+    rebase,
+    state_blob,
+    unflatten,
+    verify_blob,
+)
+from peer.tickets import Admission
 from peer.training import TrainingLoop, harness_hooks
 from protocol.averager import Averager, Contribution, RoundResult
+from protocol.certificates import Certificate, Head
 from protocol.hooks import Hooks
 from protocol.identity import load_or_create_identity
 from protocol.matchmaking import Group, RoundAborted
 from protocol.node import SwarmNode
 from protocol.records import PeerRecord
-from protocol.rounds import Behind, Outcome, choose_target, compatibility_problem, compatible, group_forming
+from protocol.rounds import Behind, Outcome, compatibility_problem, compatible, group_forming
 from protocol.state_sync import ServedState, StateServer, StateSyncError, download_state
 
 logger = logging.getLogger(__name__)
@@ -51,13 +65,15 @@ class SwarmSync:
         self.cfg, self.hooks = cfg, hooks
         identity = cfg.identity_path
         Path(identity).parent.mkdir(parents=True, exist_ok=True)
-        load_or_create_identity(identity)
+        self.admission = Admission(cfg.admission, load_or_create_identity(identity), cfg.network.run_id,
+                                   cfg.run.coordinator)
         self.net = replace(cfg.network, identity=identity)
-        self.node = SwarmNode(self.net)
+        self.node = SwarmNode(self.net, credentials=self.admission.credentials, gate=self.admission.gate)
         self.reports = SwarmReports(cfg.run.coordinator, identity, self.net.run_id)
         self.staleness = self.resyncs = self.bytes_sent = self.bytes_received = 0
         self.state_hash = ""
-        self._peek: concurrent.futures.Future[dict[str, PeerRecord]] | None = None
+        self.head: Head | None = None
+        self._peek: concurrent.futures.Future[tuple[dict[str, PeerRecord], Behind | None]] | None = None
         self._peeked_at = 0.0
         self._last_eta = 0.0
         self._measured_hello = False
@@ -67,15 +83,18 @@ class SwarmSync:
         r = loop.replica
         self.loop, self.replica = loop, r
         self.model = local_model(r, self.cfg.runtime.seed)
+        self.genesis = genesis_hash(r)
         loop.on_step = lambda loss: self.reports.step(r, loss, loop.progress.tokens_per_second())
+        self.admission.start()
         self.node.start()
-        self.averager = Averager(self.node, self.cfg.round, self.model, hooks=self.hooks)
-        self.server = StateServer(
-            self.node, self.model.fingerprint, control_timeout_s=self.cfg.round.control_timeout_s, hooks=self.hooks
-        )
+        creds, gate = self.admission.credentials, self.admission.gate
+        self.averager = Averager(self.node, self.cfg.round, self.model, credentials=creds, gate=gate,
+                                 genesis_hash=self.genesis, hooks=self.hooks)
+        self.server = StateServer(self.node, self.model.fingerprint, gate=gate, credentials=creds,
+                                  control_timeout_s=self.cfg.round.control_timeout_s, hooks=self.hooks)
         self.averager.start()
         self.node.call(self.server.register(), timeout=RECORDS_TIMEOUT_S)
-        self.publish_state()
+        self.publish_state(self._resumed_head(loop))
         loop.progress.event("joined", peer_id=self.node.peer_id, maddrs=self.node.visible_maddrs(), round=r.round)
         problem = compatibility_problem(self.others(), fingerprint=self.model.fingerprint, config=self.model.config)
         if problem:
@@ -99,24 +118,49 @@ class SwarmSync:
             logger.warning("only some of the %d peers showed up within %.0fs; starting anyway", wanted, timeout)
 
     def initial_sync(self) -> None:
-        r = self.replica
         for _ in range(3):
-            target = choose_target(
-                compatible(self.others(), self.model.fingerprint), self.node.peer_id, r.round, self.state_hash
-            )
+            target = self.target(compatible(self.others(), self.model.fingerprint))
             if target is None or self.sync_to(target):
                 return
 
+    def target(self, records: dict[str, PeerRecord]) -> Behind | None:
+        """The best verified certified state that outranks ours (certificates are fetched and checked here)."""
+        return self.node.call(self.averager.chain.target(records), timeout=RECORDS_TIMEOUT_S)
+
     # --- state ----------------------------------------------------------------------------------------------------
-    def publish_state(self, state_hash: str | None = None) -> None:
-        """Serve and announce the global state this peer now holds (not ready: its new round starts now).
-        `state_hash` is the state's hash when the caller already has it (hashing θ and m is a pass over both)."""
+    def _resumed_head(self, loop: TrainingLoop) -> Head:
+        """θ_0, or the certified state a resumed checkpoint holds. A checkpoint without a valid certificate for its
+        state still trains, but nobody adopts its state until a round certifies one."""
+        r, meta = self.replica, loop.resumed
+        if r.round == 0:
+            if r.state_hash() != self.genesis:
+                raise ValueError("the checkpoint at round 0 does not hold this run's θ_0 (another seed or task?)")
+            return Head(0, self.genesis)
+        raw = meta.get("certificate")
+        state_hash = r.state_hash()
+        if isinstance(raw, str):
+            try:
+                cert = Certificate.from_bytes(raw.encode())
+            except ValueError:
+                cert = None
+            if cert is not None and (cert.statement.round, cert.statement.new_hash) == (r.round, state_hash) and \
+                    not self.averager.chain.verify(cert):
+                return Head.of(cert)
+        logger.warning("the checkpoint's round %d has no valid certificate: training on, but no peer will adopt this "
+                       "state until a round certifies one", r.round)
+        return Head(r.round, state_hash, int(meta.get("work") or 0) if isinstance(meta.get("work"), int) else 0)
+
+    def publish_state(self, head: Head) -> None:
+        """Serve and announce the certified state this peer now holds (not ready: its new round starts now)."""
         r = self.replica
-        self.state_hash = state_hash or r.state_hash()
-        self.server.publish(ServedState(round=r.round, state_hash=self.state_hash, blob=state_blob(r)))
-        self.averager.set_state(r.round, self.state_hash)
+        self.head, self.state_hash = head, head.state_hash
+        cert = head.certificate.to_bytes() if head.certificate is not None else b""
+        self.server.publish(ServedState(round=r.round, state_hash=head.state_hash, blob=state_blob(r),
+                                        certificate=cert))
+        self.averager.set_state(head)
+        self.loop.checkpoint_extra.update(certificate=cert.decode() or None, work=head.work)
         record = PeerRecord.announce(fingerprint=self.model.fingerprint, config_json=self.model.config_json,
-                                     round=r.round, state_hash=self.state_hash, eta=time.time() + 60)
+                                     round=r.round, state_hash=head.state_hash, work=head.work, eta=time.time() + 60)
         self.node.update_record(**record.to_value())
 
     def sync_to(self, target: Behind) -> bool:
@@ -135,6 +179,7 @@ class SwarmSync:
                     fingerprint=self.model.fingerprint,
                     verify=lambda b: verify_blob(b, r),
                     control_timeout=self.cfg.round.control_timeout_s,
+                    ticket=self.admission.credentials.ticket,
                 ),
                 timeout=DOWNLOAD_TIMEOUT_S,
             )
@@ -142,8 +187,15 @@ class SwarmSync:
             logger.warning("re-sync to round %d failed: %s", target.round, exc)
             return False
         params, momentum = parse_blob(blob, r)
+        if not all_finite(params, momentum):
+            # The hash matched a certified statement, so a quorum signed a broken state: refuse it all the same.
+            logger.error("round %d's certified state holds non-finite values; not adopting it", target.round)
+            return False
         staleness = self.staleness + max(1, target.round - r.round)
-        keep = r.round_steps > 0 and staleness <= self.cfg.round.max_staleness
+        # Our contribution is already in a state certified right after ours (we voted, but missed the certificate).
+        ours = target.certificate is not None and target.round == r.round + 1 and \
+            self.node.peer_id in target.certificate.statement.members
+        keep = r.round_steps > 0 and staleness <= self.cfg.round.max_staleness and not ours
         rebase(r, params, momentum, target.round, keep_progress=keep)
         self.staleness = staleness if keep else 0
         self.resyncs += 1
@@ -155,7 +207,7 @@ class SwarmSync:
             failures=bad,
             seconds=round_float(time.perf_counter() - started),
         )
-        self.publish_state(target.state_hash)  # rebase loaded exactly the bytes verified against it
+        self.publish_state(Head.of(target.certificate))  # rebase loaded exactly the bytes verified against it
         return True
 
     # --- one round ------------------------------------------------------------------------------------------------
@@ -174,24 +226,21 @@ class SwarmSync:
             return False
         if self._peek is None:
             if now - self._peeked_at >= PEEK_S:
-                self._peek, self._peeked_at = (
-                    self.node.submit(self.node.fetch_records(timeout=RECORDS_TIMEOUT_S / 3)),
-                    now,
-                )
+                self._peek, self._peeked_at = self.node.submit(self._look()), now
             return False
         if not self._peek.done():
             return False
         peek, self._peek = self._peek, None
         try:
-            records = compatible(peek.result(), self.model.fingerprint)
+            records, target = peek.result()
         except Exception as exc:  # noqa: BLE001 - a failed look only means: train on, look again
             logger.debug("looking at the swarm failed: %r", exc)
             return False
-        r = self.replica
-        return (
-            group_forming(records, r.round, self.state_hash)
-            or choose_target(records, self.node.peer_id, r.round, self.state_hash) is not None
-        )
+        return group_forming(records, self.replica.round, self.state_hash) or target is not None
+
+    async def _look(self) -> tuple[dict[str, PeerRecord], Behind | None]:
+        records = compatible(await self.node.fetch_records(timeout=RECORDS_TIMEOUT_S / 3), self.model.fingerprint)
+        return records, await self.averager.chain.target(records)
 
     def round(self, loop: TrainingLoop) -> None:
         r = loop.replica
@@ -245,35 +294,52 @@ class SwarmSync:
         contribution = Contribution(
             delta=flatten(r.pseudo_gradient(), r.names), tokens=r.round_tokens, staleness=self.staleness
         )
-        result: RoundResult = self.averager.run_round(group, contribution, apply=self._apply)
+        before: list[Any] = []
+
+        def apply(average: torch.Tensor) -> str:
+            before.append(r.snapshot())  # undone unless the round is certified
+            return self._apply(average)
+
+        result: RoundResult = self.averager.run_round(group, contribution, apply=apply,
+                                                      rollback=lambda: r.restore(before[-1]))
         entry.update(outcome=result.outcome, leader=result.leader, members=result.members, role=result.role)
         if result.outcome == Outcome.DISCARDED:
+            self.node.update_record(ready=False)
             self.log_round({**entry, "reason": result.reason})
             return
         self.bytes_sent += result.bytes_sent
         self.bytes_received += result.bytes_received
-        self.staleness = 0
+        cert = result.certificate
+        assert cert is not None, "a committed or mismatched round always carries its certificate"
         entry.update(
             round=base_round + 1,
             weights=result.weights,
             excluded=result.excluded,
-            state_hash=result.state_hash,
+            state_hash=cert.statement.new_hash,
             average_s=round_float(result.seconds),
             direct=result.direct,
         )
         if result.outcome == Outcome.MISMATCH:
-            entry["leader_hash"] = result.leader_hash
-        self.publish_state(result.state_hash)  # apply() returned it
-        self.log_round(self.loop.after_round(entry), recorded=True)
-        if result.outcome == Outcome.MISMATCH:
-            donors = [result.leader, *[m for m in result.members if m not in (result.leader, self.node.peer_id)]]
-            self.sync_to(Behind(round=base_round + 1, state_hash=result.leader_hash, donors=donors))
+            # We rolled back; the certified state is the one the others reached.
+            entry["our_hash"] = result.state_hash
+            self.log_round(entry)
+            donors = [m for m in cert.statement.members if m != self.node.peer_id]
+            self.sync_to(Behind(round=base_round + 1, state_hash=cert.statement.new_hash, donors=donors,
+                                work=cert.statement.work, certificate=cert))
+            return
+        self.staleness = 0
+        self.publish_state(Head.of(cert))
+        self.log_round(self.loop.after_round(entry), recorded=True, certificate=cert)
 
-    def log_round(self, entry: dict[str, Any], *, recorded: bool = False) -> None:
+    def log_round(self, entry: dict[str, Any], *, recorded: bool = False,
+                  certificate: Certificate | None = None) -> None:
         entry = {k: (str(v) if k == "outcome" else v) for k, v in entry.items() if v is not None}
         if not recorded:
             self.loop.history.append(entry)
-        self.reports.round({**entry, "step": self.replica.step, "tokens_total": self.replica.tokens})
+        report = {**entry, "step": self.replica.step, "tokens_total": self.replica.tokens}
+        if certificate is not None:
+            report["certificate"] = certificate.to_bytes().decode()  # what the coordinator credits the round by
+        self.reports.round(report)
         if entry.get("outcome") == Outcome.COMMITTED and not self._measured_hello:
             self._measured_hello = True
             self.reports.hello(self.replica, tokens_per_s=self.loop.progress.tokens_per_second())
@@ -306,6 +372,7 @@ class SwarmSync:
         }
 
     def close(self) -> None:
+        self.admission.stop()
         self.reports.close()
         if self.node.p2p is not None and getattr(self, "averager", None) is not None:
             try:

@@ -8,7 +8,7 @@ import json
 import torch
 
 from peer.replica import Replica
-from protocol.hashing import blob_hash, pack_state, unpack_state
+from protocol.hashing import blob_hash, pack_state, state_hash, unpack_state
 from protocol.records import fingerprint
 from protocol.rounds import LocalModel
 
@@ -19,6 +19,25 @@ def local_model(replica: Replica, seed: int) -> LocalModel:
     layout = [(n, tuple(replica.global_params[n].shape)) for n in replica.names]
     numel = sum(replica.global_params[n].numel() for n in replica.names)
     return LocalModel(fingerprint=fingerprint(config, layout), config=config, numel=numel)
+
+
+def genesis_hash(replica: Replica) -> str:
+    """The hash of θ_0 (m_0 = 0) as every peer of the run computes it from the task and the seed, so the start
+    of the chain needs nobody's word. Built twice: a task whose initial model is not a function of the seed could
+    never average with anyone, which is better said at start than discovered as peers that never group."""
+    hashes = set()
+    for _ in range(2):
+        model = replica.task.model_factory()
+        params = {n: p.detach().to("cpu", torch.float32) for n, p in model.named_parameters()}
+        hashes.add(state_hash(params, {n: torch.zeros_like(t) for n, t in params.items()}))
+    if len(hashes) != 1:
+        raise ValueError("the task's model_factory builds a different model each time; seed it (torch.manual_seed) "
+                         "so every peer starts from the same θ_0")
+    return hashes.pop()
+
+
+def all_finite(params: dict[str, torch.Tensor], momentum: dict[str, torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in (*params.values(), *momentum.values()))
 
 
 def flatten(tensors: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:

@@ -63,6 +63,8 @@ class TrainingLoop:
         self.initial_eval = 0.0
         self.on_step: Callable[[float], None] | None = None  # the swarm's coordinator reports
         self.checkpoint_dir = f"{cfg.run.workdir}/checkpoint"
+        self.resumed: dict[str, Any] = {}  # the checkpoint's sidecar when resuming
+        self.checkpoint_extra: dict[str, Any] = {}  # what the sync strategy keeps in the checkpoint (certificate)
 
     def _fault_fired(self, phase: str, action: str, round_number: int) -> None:
         self.progress.event("fault", phase=phase, action=action, round=round_number)
@@ -134,13 +136,15 @@ class TrainingLoop:
         return entry
 
     def save_checkpoint(self) -> None:
-        checkpoint.save(self.replica, self.checkpoint_dir, extra={"initial_eval_loss": self.initial_eval})
+        checkpoint.save(self.replica, self.checkpoint_dir,
+                        extra={"initial_eval_loss": self.initial_eval, **self.checkpoint_extra})
 
     # --- the run --------------------------------------------------------------------------------------------------
     def run(self, sync: Sync) -> dict[str, Any]:
         r = self.replica
         try:
             meta = checkpoint.load(r, self.checkpoint_dir) if self.cfg.run.resume else {}
+            self.resumed = meta
             if meta:
                 logger.info("resumed from %s at step %d, round %d", self.checkpoint_dir, r.step, r.round)
             # θ_0 is the same on every fresh peer (same seed): this is the run's initial loss, measured before any

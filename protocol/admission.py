@@ -27,6 +27,7 @@ __all__ = [
     "ROLES",
     "AdmissionError",
     "AdmissionPolicy",
+    "Credentials",
     "Gate",
     "Revocations",
     "Ticket",
@@ -112,8 +113,9 @@ class Ticket:
         return cls(**value)
 
     def problem(self, *, run_id: str, authority: str, now: float, peer_id: str | None = None,
-                role: str | None = None) -> str:
-        """Why this ticket does not admit `peer_id` to `run_id` now ("" when it does)."""
+                role: str | None = None, grace_s: float = 0.0) -> str:
+        """Why this ticket does not admit `peer_id` to `run_id` now ("" when it does); `grace_s` accepts a ticket
+        that expired that long ago (a signature made while it was valid)."""
         if self.authority != authority:
             return f"ticket is signed by {self.authority[:16]}…, not by this run's authority {authority[:16]}…"
         if self.run_id != run_id:
@@ -124,8 +126,10 @@ class Ticket:
             return f"ticket grants role {self.role!r}, {role!r} needed"
         if self.role not in ROLES:
             return f"unknown role {self.role!r}"
-        if not self.issued_at - CLOCK_SKEW_S <= now < self.expires_at + CLOCK_SKEW_S:
-            return f"ticket expired {now - self.expires_at:.0f}s ago" if now >= self.expires_at else "ticket not valid yet"
+        if not self.issued_at - CLOCK_SKEW_S <= now < self.expires_at + CLOCK_SKEW_S + grace_s:
+            if now >= self.expires_at:
+                return f"ticket expired {now - self.expires_at:.0f}s ago"
+            return "ticket not valid yet"
         if self.expires_at - self.issued_at > MAX_TICKET_S:
             return "ticket lifetime exceeds the maximum"
         try:
@@ -208,7 +212,8 @@ class Gate:
     def open(self) -> bool:
         return self.authority is None
 
-    def check(self, ticket: bytes | str | Ticket | None, peer_id: str, *, role: str | None = None) -> str:
+    def check(self, ticket: bytes | str | Ticket | None, peer_id: str, *, role: str | None = None,
+              grace_s: float = 0.0) -> str:
         """Why `peer_id`, showing `ticket`, is not admitted ("" when it is)."""
         if self.authority is None:
             return ""
@@ -219,7 +224,7 @@ class Gate:
         except AdmissionError as exc:
             return str(exc)
         return parsed.problem(run_id=self.run_id, authority=self.authority, now=self.clock(), peer_id=peer_id,
-                              role=role)
+                              role=role, grace_s=grace_s)
 
     def update_revocations(self, value: Any) -> bool:
         """Adopt a newer signed revocation list; returns whether it changed anything. Bad lists are ignored."""
@@ -271,8 +276,22 @@ class AdmissionPolicy:
         """Why `peer_id` gets no ticket ("" when it does). Invite codes are compared in constant time."""
         if self.mode == "none":
             return "this run issues no tickets (private swarm)"
-        if self.mode == "invite" and not any(secrets.compare_digest(invite.encode(), c.encode()) for c in self.invite_codes):
+        given = invite.encode()
+        if self.mode == "invite" and not any(secrets.compare_digest(given, c.encode()) for c in self.invite_codes):
             return "invite code is missing or wrong"
         if self.mode == "allowlist" and peer_id not in self.allowlist:
             return "peer id is not on this run's allowlist"
         return ""
+
+
+@dataclass
+class Credentials:
+    """What this peer shows others: its identity and its current ticket (empty in a private swarm). Renewal
+    replaces `ticket` in one assignment, so readers see the old or the new one, never a mix."""
+
+    identity: Identity
+    ticket: bytes = b""
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id

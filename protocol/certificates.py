@@ -24,6 +24,7 @@ __all__ = ["Certificate", "Head", "Statement", "need", "supports"]
 MAX_CERT_BYTES = 512 * 1024
 MAX_MEMBERS = 10_000
 MAX_WORK = 2**62
+SIGNER_GRACE_S = 7 * 86400.0
 _DOMAIN = b"swarmloco-commit-v1\n"
 _HASH = re.compile(r"[0-9a-f]{64}")
 
@@ -131,7 +132,9 @@ class Certificate:
         for signer, signature in self.signatures.items():
             if signer not in members:
                 return f"signer {signer[:16]}… is not a member of the round"
-            refused = gate.check(self.tickets.get(signer), signer, role="trainer")
+            # A signature made while its ticket was valid stays valid for a while: a peer resuming from a
+            # checkpoint still proves its state. Revocation applies at once.
+            refused = gate.check(self.tickets.get(signer), signer, role="trainer", grace_s=SIGNER_GRACE_S)
             if refused:
                 return f"signer {signer[:16]}… is not admitted: {refused}"
             try:

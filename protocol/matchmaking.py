@@ -2,16 +2,19 @@
 
 Seen from a peer that holds θ_r and has spent its round budget:
 1. It is marked ready in its record and reads the records of compatible peers at the same (r, state hash).
-2. It gathers around the peer `pick_leader` names: the ready peer already leading the most members, ties broken by
-   the smallest peer id. Being named leader means collecting: others send a JoinRequest, which is admitted while
-   the group is open and the request matches our run, model, round and state.
-3. A leader closes the group once it has `quorum` peers *and* the grace window has passed (it waits a little for
-   peers whose own records say they are about to be ready). Closing sends every member the final member list and,
-   when the leader runs a TCP data plane, an address and a one-time token for the bulk bytes.
-4. Peers that read records at different moments can form two groups, both below quorum. Every peer orders leaders
-   the same way, so the weaker leader sees the stronger one; after seeing it twice in a row it releases its members
-   (nothing was closed, so nothing can split) and joins it.
-A peer whose view shows a newer agreed state gets `Behind` instead of a group, unless members already joined it.
+2. It gathers around the peer `pick_leader` names: of the ready peers at its state, the one whose hash with the
+   state is lowest, an order no peer controls. Being named leader means collecting: others send a JoinRequest,
+   which is admitted while the group is open and the request carries a valid ticket and matches our run, model,
+   round and state. The member checks the leader's ticket in the reply.
+3. A leader closes the group once it has a majority of the active swarm (and at least `quorum` peers; see
+   `protocol.certificates.need`) *and* the grace window has passed (it waits a little for peers whose own records
+   say they are about to be ready). Closing sends every member the final member list, the swarm size the majority
+   is taken of and, when the leader runs a TCP data plane, an address and a one-time token for the bulk bytes.
+4. Peers that read records at different moments can form two groups, both below that size. Every peer orders
+   leaders the same way, so the weaker leader sees the better-ranked one; after seeing it twice in a row it
+   releases its members (nothing was closed, so nothing can split) and joins it.
+A peer that sees a verified certified state outranking its own gets `Behind` instead of a group, unless members
+already joined it.
 """
 from __future__ import annotations
 
@@ -22,6 +25,9 @@ import time
 from dataclasses import dataclass, field
 
 from protocol import swarmloco_wire_pb2 as pb
+from protocol.admission import Credentials, Gate
+from protocol.certificates import need
+from protocol.chain import Chain
 from protocol.data_plane import DataPlane, connect
 from protocol.exchange import Link
 from protocol.records import PROTOCOL_VERSION, PeerRecord, describe_difference
@@ -30,7 +36,7 @@ from protocol.rounds import (
     Deadlines,
     LocalModel,
     RoundConfig,
-    choose_target,
+    active_count,
     compatible,
     grace_over,
     pick_leader,
@@ -57,6 +63,8 @@ class Group:
     members: list[str]  # everyone in the group, leader first
     links: dict[str, Link]
     release: asyncio.Future[None] | None = None  # leader: resolved once the exchange is over (join handlers then end)
+    swarm: int = 1  # active peers the group is a majority of (the leader's count, checked by every member)
+    tickets: dict[str, bytes] = field(default_factory=dict)  # leader: each member's ticket, for the certificate
 
     @property
     def is_leader(self) -> bool:
@@ -73,8 +81,10 @@ def admit(
     closed: bool,
     size: int,
     max_group: int,
+    not_admitted: str = "",
 ) -> tuple[int, str]:
-    """A leader's answer to a join request, with the reason a refused peer is shown."""
+    """A leader's answer to a join request, with the reason a refused peer is shown (`not_admitted`: why its
+    ticket is refused, "" when it is valid)."""
     if req.protocol_version != PROTOCOL_VERSION:
         return (
             pb.JoinReply.INCOMPATIBLE,
@@ -82,6 +92,8 @@ def admit(
         )
     if req.run_id != run_id:
         return pb.JoinReply.INCOMPATIBLE, f"run id differs: ours {run_id!r}, yours {req.run_id!r}"
+    if not_admitted:
+        return pb.JoinReply.NOT_ADMITTED, f"not admitted to this run: {not_admitted}"
     if req.fingerprint != model.fingerprint:
         try:
             theirs = json.loads(req.task_config_json) if len(req.task_config_json) < MAX_REFUSAL_CONFIG else {}
@@ -102,7 +114,8 @@ def admit(
 
 
 # How long a leader that turned us down is skipped, by its answer.
-_SKIP_S = {pb.JoinReply.INCOMPATIBLE: 3600.0, pb.JoinReply.WRONG_STATE: 5.0}
+_SKIP_S = {pb.JoinReply.INCOMPATIBLE: 3600.0, pb.JoinReply.NOT_ADMITTED: 60.0, pb.JoinReply.WRONG_STATE: 5.0}
+_SKIP_UNADMITTED_LEADER_S = 3600.0
 _SKIP_UNREACHABLE_S, _SKIP_DROPPED_S, _SKIP_OTHER_S = 10.0, 5.0, 1.0
 
 
@@ -112,6 +125,7 @@ class _Collecting:
 
     round: int
     members: dict[str, Link] = field(default_factory=dict)
+    tickets: dict[str, bytes] = field(default_factory=dict)
     closed: bool = False
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
@@ -125,7 +139,8 @@ class _Attempt:
     state_hash: str
     deadline: float
     skip: dict[str, float] = field(default_factory=dict)  # leader -> monotonic time until which we do not ask it
-    quorum_at: float | None = None  # when our own group first reached quorum
+    quorum_at: float | None = None  # when our own group first reached the size it needs
+    swarm: int = 1  # active peers in our latest view (a group must be a majority of them)
     merge_into: str | None = None  # the stronger leader we saw last time, and how many times in a row
     merge_seen: int = 0
 
@@ -144,10 +159,14 @@ class Matchmaker:
         cfg: RoundConfig,
         model: LocalModel,
         *,
+        chain: Chain,
+        gate: Gate,
+        credentials: Credentials,
         data_plane: DataPlane | None,
         dial_data_plane: bool,
     ) -> None:
         self.transport, self.cfg, self.model = transport, cfg, model
+        self.chain, self.gate, self.credentials = chain, gate, credentials
         self.deadlines = Deadlines.of(cfg)
         self.data_plane, self.dial_data_plane = data_plane, dial_data_plane
         self.handler_name = f"swarmloco/{transport.run_id}/avg/v{PROTOCOL_VERSION}"
@@ -177,11 +196,13 @@ class Matchmaker:
                     logger.info("DHT lookup timed out; retrying")
                     continue
                 records = compatible(found, self.model.fingerprint)
-                target = choose_target(records, self.transport.peer_id, round_number, state_hash)
-                if target is not None and not (self._collect is not None and self._collect.members):
-                    self._abandon()
-                    return target
+                if not (self._collect is not None and self._collect.members):
+                    target = await self.chain.target(records)
+                    if target is not None:
+                        self._abandon()
+                        return target
                 here = {p: r for p, r in records.items() if r.round == round_number and r.state_hash == state_hash}
+                attempt.swarm = active_count(records, round_number)
                 leader = self._choose_leader(attempt, here)
                 if leader == self.transport.peer_id:
                     group = await self._lead(attempt, here)
@@ -197,7 +218,8 @@ class Matchmaker:
                     return joined
                 attempt.skip[leader] = time.monotonic() + joined
             raise RoundAborted(
-                f"no group of {self.cfg.quorum} formed for round {round_number} within {self.cfg.round_timeout_s:.0f}s"
+                f"no group of {need(attempt.swarm, self.cfg.quorum)} (a majority of {attempt.swarm} active peers) "
+                f"formed for round {round_number} within {self.cfg.round_timeout_s:.0f}s"
             )
         except BaseException:
             self._abandon()
@@ -206,14 +228,15 @@ class Matchmaker:
     def _choose_leader(self, attempt: _Attempt, here: dict[str, PeerRecord]) -> str:
         now = time.monotonic()
         attempt.skip = {p: t for p, t in attempt.skip.items() if t > now}
-        candidates = {p: r for p, r in here.items() if r.ready and p not in attempt.skip}
+        candidates = [p for p, r in here.items() if r.ready and p not in attempt.skip]
         members = len(self._collect.members) if self._collect is not None else 0
-        leader = pick_leader(self.transport.peer_id, members, candidates, self.cfg.quorum)
+        leader = pick_leader(self.transport.peer_id, members, candidates, needed=need(attempt.swarm, self.cfg.quorum),
+                             state_hash=attempt.state_hash)
         if leader == self.transport.peer_id or not members:
             attempt.merge_into, attempt.merge_seen = None, 0
             return leader
-        # A stronger leader while we lead a group below quorum: a split. Merge once it is seen twice in a row, so a
-        # record read mid-update does not dissolve a group.
+        # A better-ranked leader while we lead a group below the size it needs: a split. Merge once it is seen twice
+        # in a row, so a record read mid-update does not dissolve a group.
         if not attempt.confirm_merge(leader):
             return self.transport.peer_id
         logger.info("round %d: merging my %d member(s) into %s's group", attempt.round, members, leader[-8:])
@@ -225,12 +248,12 @@ class Matchmaker:
         collect = self._ensure_collecting(attempt.round)
         self.transport.update_record(leading=len(collect.members))
         now = time.monotonic()
-        if 1 + len(collect.members) >= self.cfg.quorum:
+        if 1 + len(collect.members) >= need(attempt.swarm, self.cfg.quorum):
             attempt.quorum_at = attempt.quorum_at or now
             wall = time.time()
             etas = [None if r.ready else max(0.0, r.eta - wall) for p, r in here.items() if p not in collect.members]
             if grace_over(waited=now - attempt.quorum_at, etas=etas, cfg=self.cfg):
-                return await self._close(collect)
+                return await self._close(collect, attempt.swarm)
         collect.changed.clear()
         try:
             await asyncio.wait_for(collect.changed.wait(), timeout=POLL_S)
@@ -253,17 +276,19 @@ class Matchmaker:
             collect.done.set_result(None)
         self.transport.update_record(leading=0)
 
-    async def _close(self, collect: _Collecting) -> Group:
+    async def _close(self, collect: _Collecting, swarm: int) -> Group:
         collect.closed = True
         self._collect = None
         self.transport.update_record(leading=0, ready=False)
         me = self.transport.peer_id
         links = dict(collect.members)
         names = [me, *links]
+        swarm = max(swarm, len(names))
 
         async def notify(link: Link) -> bool:
             message = pb.GroupClosed(
-                round=collect.round, members=names, codec=self.cfg.codec, deadline_s=self.deadlines.transfer
+                round=collect.round, members=names, codec=self.cfg.codec, deadline_s=self.deadlines.transfer,
+                swarm=swarm,
             )
             if self.data_plane is not None:
                 link.token, link.offer = self.data_plane.expect()
@@ -278,7 +303,9 @@ class Matchmaker:
 
         reached = await asyncio.gather(*(notify(link) for link in links.values()))
         alive = {p: link for (p, link), ok in zip(links.items(), reached, strict=False) if ok}
-        return Group(round=collect.round, me=me, leader=me, members=[me, *alive], links=alive, release=collect.done)
+        tickets = {p: collect.tickets.get(p, b"") for p in alive}
+        return Group(round=collect.round, me=me, leader=me, members=[me, *alive], links=alive, release=collect.done,
+                     swarm=swarm, tickets=tickets)
 
     async def _try_join(self, leader: str, attempt: _Attempt) -> Group | float:
         """Join `leader`'s group; returns the closed group, or for how many seconds to skip this leader."""
@@ -297,6 +324,7 @@ class Matchmaker:
                 task_config_json=self.model.config_json,
                 round=attempt.round,
                 state_hash=attempt.state_hash,
+                ticket=self.credentials.ticket,
             )
             await write_frame(writer, request, timeout=d.control)
             reply, _ = await read_frame(reader, pb.JoinReply, max_payload=0, timeout=d.control)
@@ -307,6 +335,12 @@ class Matchmaker:
                     logger.error("peer %s refused us: %s", leader[-8:], reply.message)
                 link.close()
                 return _SKIP_S.get(reply.status, _SKIP_OTHER_S)
+            refused = self.gate.check(reply.ticket, leader, role="trainer")
+            if refused:
+                logger.warning("round %d: leader %s is not admitted (%s); not joining it", attempt.round, leader[-8:],
+                               refused)
+                link.close()
+                return _SKIP_UNADMITTED_LEADER_S
             self.transport.update_record(leading=0)
             closed, _ = await read_frame(
                 reader, pb.GroupClosed, max_payload=0, timeout=max(1.0, attempt.deadline - time.monotonic())
@@ -318,6 +352,13 @@ class Matchmaker:
             ):
                 link.close()
                 return _SKIP_DROPPED_S
+            if closed.swarm + 1 < attempt.swarm or len(closed.members) < need(closed.swarm, self.cfg.quorum):
+                # A group that is no majority of the swarm we see could never be certified (and two of them could
+                # both commit): a leader understating the swarm is not followed.
+                logger.info("round %d: %s closed %d of a claimed swarm of %d, we see %d active; not taking part",
+                            attempt.round, leader[-8:], len(closed.members), closed.swarm, attempt.swarm)
+                link.close()
+                return _SKIP_DROPPED_S
             self.transport.update_record(ready=False)
             if self.dial_data_plane and closed.data_addrs and closed.data_token:
                 link.direct = await connect(list(closed.data_addrs)[:8], closed.data_token, timeout=min(3.0, d.control))
@@ -327,6 +368,7 @@ class Matchmaker:
                 leader=leader,
                 members=list(closed.members),
                 links={leader: link},
+                swarm=closed.swarm,
             )
         except WireError as exc:
             logger.info("leader %s dropped us before the group closed: %r", leader[-8:], exc)
@@ -350,16 +392,19 @@ class Matchmaker:
                 closed=collect.closed if collect is not None else False,
                 size=len(collect.members) if collect is not None else 0,
                 max_group=self.cfg.max_group,
+                not_admitted=self.gate.check(request.ticket, caller, role="trainer"),
             )
             accepted = collect is not None and status == pb.JoinReply.ACCEPTED
             if accepted:
+                collect.tickets[caller] = bytes(request.ticket)
                 # Registered before the reply goes out: a group that closes while the reply is in flight still
                 # counts this member and sends it GroupClosed, instead of leaving it waiting out the round.
                 collect.members[caller] = link
                 collect.changed.set()
             else:
                 collect = None
-            await write_frame(writer, pb.JoinReply(status=status, message=message), timeout=d.control)
+            reply = pb.JoinReply(status=status, message=message, ticket=self.credentials.ticket)
+            await write_frame(writer, reply, timeout=d.control)
             if collect is None:
                 return
             await collect.done  # the stream stays open until the exchange is over

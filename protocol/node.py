@@ -10,6 +10,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -19,8 +20,10 @@ import uvloop
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
+from protocol.admission import Credentials, Gate
 from protocol.data_plane import hosts_from_maddrs
-from protocol.records import PeerRecord, peers_key
+from protocol.records import PeerRecord, peers_key, revocations_key
+from protocol.signed_records import MAX_RECORD_TTL_S, RecordError, RunValidator, open_record, seal
 from protocol.transport import Stream, StreamHandler, run_on
 
 logger = logging.getLogger(__name__)
@@ -51,17 +54,22 @@ class NetworkConfig:
                 raise ValueError(
                     f"multiaddr: got {maddr!r}, allowed a multiaddr such as /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo..."
                 )
-        if not 1.0 <= self.record_ttl_s <= 3600:
-            raise ValueError(f"record_ttl_s: got {self.record_ttl_s}, allowed 1 .. 3600")
+        if not 1.0 <= self.record_ttl_s <= MAX_RECORD_TTL_S:
+            raise ValueError(f"record_ttl_s: got {self.record_ttl_s}, allowed 1 .. {MAX_RECORD_TTL_S:.0f}")
         if not 0.1 <= self.heartbeat_s < self.record_ttl_s:
             raise ValueError(f"heartbeat_s: got {self.heartbeat_s}, allowed 0.1 .. record_ttl_s ({self.record_ttl_s})")
 
 
-class SwarmNode:
-    """Owns the DHT, the P2P replica and the loop thread; publishes this peer's record on a heartbeat."""
+REVOCATIONS_EVERY_S = 15.0  # how often the authority's revocation list is re-read from the DHT
 
-    def __init__(self, net: NetworkConfig) -> None:
-        self.net = net
+
+class SwarmNode:
+    """Owns the DHT, the P2P replica and the loop thread; publishes this peer's signed record on a heartbeat and
+    reads others' records, trusting only those signed by their own peer with a valid ticket (`gate`)."""
+
+    def __init__(self, net: NetworkConfig, *, credentials: Credentials, gate: Gate) -> None:
+        self.net, self.credentials, self.gate = net, credentials, gate
+        self.store_failures = 0  # record stores the DHT refused or that failed, in a row
         self.dht: hivemind.DHT | None = None
         self.p2p: P2P | None = None
         self.loop = uvloop.new_event_loop()  # roughly twice asyncio's stream throughput for the bulk tensors
@@ -78,6 +86,7 @@ class SwarmNode:
             client_mode=self.net.client_mode,
             use_relay=self.net.use_relay,
             use_auto_relay=self.net.use_auto_relay,
+            record_validators=[RunValidator(self.net.run_id, self.gate.authority)],
             start=True,
         )
         if self.net.announce_maddrs:
@@ -86,6 +95,8 @@ class SwarmNode:
             # The identity file is ours (Ed25519, libp2p format); hivemind's own "is it taken" probe only reads RSA.
             kwargs.update(identity_path=self.net.identity, check_if_identity_free=False)
         self.dht = hivemind.DHT(**kwargs)
+        if self.dht.peer_id.to_base58() != self.credentials.peer_id:
+            raise RuntimeError("the DHT runs under another identity than the one this peer signs with")
         self._thread.start()
         self.p2p = self.call(self.dht.replicate_p2p(), timeout=timeout)
         self._heartbeat = self.call(self._start_heartbeat(), timeout=timeout)
@@ -193,25 +204,58 @@ class SwarmNode:
         if record is None or dht is None:
             return
         expiration = get_dht_time() + self.net.record_ttl_s
+        value = seal(self.credentials.identity, self.net.run_id, record, self.credentials.ticket.decode(), expiration)
         loop = asyncio.get_running_loop()
         try:
             # return_future + a bounded result(): a store in flight when the DHT stops must not hang this thread
-            await loop.run_in_executor(
+            stored = await loop.run_in_executor(
                 None,
                 lambda: dht.store(
-                    peers_key(self.net.run_id), record.to_value(), expiration, subkey=self.peer_id, return_future=True
+                    peers_key(self.net.run_id), value, expiration, subkey=self.peer_id, return_future=True
                 ).result(timeout=self.net.record_ttl_s),
             )
         except Exception as exc:  # noqa: BLE001 - the DHT may be briefly unreachable; the heartbeat retries
-            logger.warning("publishing our DHT record failed (will retry): %r", exc)
+            stored = False
+            logger.debug("storing our DHT record: %r", exc)
+        if stored:
+            if self.store_failures:
+                logger.info("our DHT record is stored again after %d failed attempt(s)", self.store_failures)
+            self.store_failures = 0
+            return
+        self.store_failures += 1
+        if self.store_failures in (1, 10) or self.store_failures % 100 == 0:
+            # Others stop seeing us once the last stored copy expires: say so instead of failing silently.
+            logger.warning("the DHT refused or lost our record %d time(s) in a row; retrying every %.1fs",
+                           self.store_failures, self.net.heartbeat_s)
 
     async def _heartbeat_loop(self) -> None:
+        last_revocations = -REVOCATIONS_EVERY_S
         while True:
             await self._publish()
+            if self.gate.authority is not None and time.monotonic() - last_revocations >= REVOCATIONS_EVERY_S:
+                last_revocations = time.monotonic()
+                await self._read_revocations()
             await asyncio.sleep(self.net.heartbeat_s)
 
+    async def _read_revocations(self) -> None:
+        dht, authority = self.dht, self.gate.authority
+        if dht is None or authority is None:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            found = await loop.run_in_executor(None, lambda: dht.get(
+                revocations_key(self.net.run_id), latest=True, return_future=True).result(timeout=10))
+        except Exception as exc:  # noqa: BLE001 - looked up again on the next heartbeat
+            logger.debug("reading revocations: %r", exc)
+            return
+        item = found.value.get(authority) if found is not None and isinstance(found.value, dict) else None
+        if item is not None and self.gate.update_revocations(getattr(item, "value", None)):
+            logger.info("the run's authority revoked %d peer(s) (list %d)", len(self.gate.revoked), self.gate.serial)
+            if self.peer_id in self.gate.revoked:
+                logger.error("this peer is revoked by the run's authority: other peers refuse it")
+
     async def fetch_records(self, *, timeout: float) -> dict[str, PeerRecord]:
-        """Every other peer's live, well-formed record of this run (malformed ones are dropped, never trusted)."""
+        """Every other admitted peer's live record of this run, signed by that peer (anything else is dropped)."""
         dht = self.dht
         assert dht is not None
         loop = asyncio.get_running_loop()
@@ -226,8 +270,11 @@ class SwarmNode:
         if found is None or not isinstance(found.value, dict):
             return records
         for subkey, item in found.value.items():
-            value = getattr(item, "value", None)
-            record = PeerRecord.parse(value)
-            if isinstance(subkey, str) and record is not None and len(subkey) < 128 and subkey != self.peer_id:
-                records[subkey] = record
+            if not isinstance(subkey, str) or subkey == self.peer_id:
+                continue
+            try:
+                records[subkey] = open_record(getattr(item, "value", None), run_id=self.net.run_id, subkey=subkey,
+                                              gate=self.gate, expiration=getattr(item, "expiration_time", None))
+            except RecordError as exc:
+                logger.debug("ignoring the record under %s…: %s", subkey[:16], exc)
         return records

@@ -2,8 +2,10 @@
 
 Every key lives under the run id. Each peer keeps one record, under its own subkey of the run's status key:
     swarmloco/<run_id>/peers  ->  {peer_id: PeerRecord}
-A record says which global round the peer holds (and its hash), whether it is ready to average that round, how
-many members it is leading, and when it expects to be ready (so leaders can size the grace window).
+A record says which global round the peer holds (its hash and the certified work of its chain), whether it is ready
+to average that round, how many members it is leading, and when it expects to be ready (so leaders can size the
+grace window). A record is a claim: it is signed by its peer (protocol.signed_records), and a state it names is
+adopted only with a commit certificate (protocol.chain).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_CONFIG_JSON = 4096
 
 
@@ -47,6 +49,7 @@ class PeerRecord:
     config_json: str
     round: int  # global round r whose θ_r the peer holds
     state_hash: str
+    work: int  # cumulative certified tokens of the chain that ends in θ_r (0 at θ_0): the fork-choice weight
     ready: bool  # done with its budget, waiting to average round r
     leading: int  # members that joined this peer as leader of round r
     eta: float  # unix time it expects to be ready (its last estimate)
@@ -56,13 +59,14 @@ class PeerRecord:
         return asdict(self)
 
     @classmethod
-    def announce(cls, *, fingerprint: str, config_json: str, round: int, state_hash: str, ready: bool = False,
-                 eta: float | None = None) -> PeerRecord:
+    def announce(cls, *, fingerprint: str, config_json: str, round: int, state_hash: str, work: int = 0,
+                 ready: bool = False, eta: float | None = None) -> PeerRecord:
         """This peer's own record for a state it now holds: our protocol version, nobody led yet, ready time `eta`
         (unix seconds; now when omitted)."""
         now = time.time()
         return cls(version=PROTOCOL_VERSION, fingerprint=fingerprint, config_json=config_json, round=round,
-                   state_hash=state_hash, ready=ready, leading=0, eta=now if eta is None else eta, updated=now)
+                   state_hash=state_hash, work=work, ready=ready, leading=0, eta=now if eta is None else eta,
+                   updated=now)
 
     @classmethod
     def parse(cls, value: Any) -> PeerRecord | None:
@@ -75,7 +79,7 @@ class PeerRecord:
             return None
         ints_ok = all(
             isinstance(getattr(rec, k), int) and not isinstance(getattr(rec, k), bool)
-            for k in ("version", "round", "leading")
+            for k in ("version", "round", "leading", "work")
         )
         strs_ok = all(isinstance(getattr(rec, k), str) for k in ("fingerprint", "config_json", "state_hash"))
         floats_ok = all(
@@ -83,7 +87,8 @@ class PeerRecord:
         )
         if not (ints_ok and strs_ok and floats_ok and isinstance(rec.ready, bool)):
             return None
-        if not (0 <= rec.round < 2**40 and 0 <= rec.leading < 10_000 and len(rec.config_json) <= MAX_CONFIG_JSON):
+        if not (0 <= rec.round < 2**40 and 0 <= rec.leading < 10_000 and 0 <= rec.work < 2**62
+                and len(rec.config_json) <= MAX_CONFIG_JSON):
             return None
         if len(rec.state_hash) != 64 or len(rec.fingerprint) > 64:
             return None

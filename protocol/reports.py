@@ -36,8 +36,13 @@ from protocol.outcome import Outcome
 
 __all__ = [
     "KINDS",
+    "MAX_CERTIFICATE_CHARS",
     "MAX_REPORT_BYTES",
+    "NONCE_RE",
     "OUTCOMES",
+    "PEER_ID_RE",
+    "RUN_ID_RE",
+    "SIG_RE",
     "Report",
     "ReportError",
     "build_report",
@@ -48,7 +53,10 @@ __all__ = [
     "validate_envelope",
 ]
 
-MAX_REPORT_BYTES = 64 * 1024
+MAX_CERTIFICATE_CHARS = 48 * 1024  # a round's commit certificate, inlined in its round report
+# Room for the largest round report: 256 members with their tokens, a failure reason, and a certificate whose
+# quotes JSON escapes once more inside the report.
+MAX_REPORT_BYTES = 128 * 1024
 MAX_MEMBERS = 256
 _DOMAIN = b"swarmloco-report-v1\n"
 _MAX_INT = 2**53  # JSON-safe integers (JavaScript's dashboard reads them too)
@@ -58,11 +66,11 @@ _MAX_LOSS = 1e6
 OUTCOMES: tuple[str, ...] = tuple(o.value for o in Outcome)
 KINDS: tuple[str, ...] = ("hello", "heartbeat", "metrics", "round", "bye")
 
-_RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-_NONCE_RE = re.compile(r"[0-9a-f]{16,64}")
-_SIG_RE = re.compile(r"[0-9a-f]{128}")
+RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+NONCE_RE = re.compile(r"[0-9a-f]{16,64}")
+SIG_RE = re.compile(r"[0-9a-f]{128}")
 _HASH_RE = re.compile(r"[0-9a-f]{8,128}")
-_PEER_ID_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{40,64}")  # base58btc alphabet
+PEER_ID_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{40,64}")  # base58btc alphabet
 
 
 class ReportError(ValueError):
@@ -116,6 +124,8 @@ BODY_SCHEMAS: dict[str, dict[str, _Field]] = {
         "outcome": _Field(kind="enum", choices=OUTCOMES),
         "failure_reason": _Field(kind="str", required=False, nullable=True, max_len=1000),
         "eval_loss": _LOSS_OPT,
+        # Certificate.to_bytes() as text: the coordinator credits a committed round only with a valid one
+        "certificate": _Field(kind="str", required=False, nullable=True, max_len=MAX_CERTIFICATE_CHARS),
     },
     "bye": {
         "reason": _Field(kind="str", required=False, nullable=True, max_len=200),
@@ -160,7 +170,7 @@ def _check_value(where: str, spec: _Field, value: Any) -> Any:
         if spec.kind == "ints":
             return [_check_value(f"{where}[{i}]", _Field(kind="int"), v) for i, v in enumerate(value)]
         for i, v in enumerate(value):
-            if type(v) is not str or not _PEER_ID_RE.fullmatch(v):
+            if type(v) is not str or not PEER_ID_RE.fullmatch(v):
                 raise ReportError(f"{where}[{i}] is not a base58 peer id")
         if len(set(value)) != len(value):
             raise ReportError(f"{where} contains duplicate peer ids")
@@ -250,17 +260,17 @@ def validate_envelope(obj: Any) -> Report:
     peer_id, run_id, kind, ts, nonce, sig = (
         obj["peer_id"], obj["run_id"], obj["kind"], obj["timestamp"], obj["nonce"], obj["signature"]
     )
-    if type(peer_id) is not str or not _PEER_ID_RE.fullmatch(peer_id):
+    if type(peer_id) is not str or not PEER_ID_RE.fullmatch(peer_id):
         raise ReportError("peer_id must be a base58 libp2p peer id")
-    if type(run_id) is not str or not _RUN_ID_RE.fullmatch(run_id):
+    if type(run_id) is not str or not RUN_ID_RE.fullmatch(run_id):
         raise ReportError("run_id must be 1-64 chars of letters, digits, '.', '_' or '-', starting alphanumeric")
     if type(kind) is not str or kind not in KINDS:
         raise ReportError(f"kind must be one of {', '.join(KINDS)}")
     if type(ts) not in (int, float) or not math.isfinite(ts) or not 0 < ts < 1e11:
         raise ReportError("timestamp must be a finite number of seconds since the Unix epoch")
-    if type(nonce) is not str or not _NONCE_RE.fullmatch(nonce):
+    if type(nonce) is not str or not NONCE_RE.fullmatch(nonce):
         raise ReportError("nonce must be 16-64 lowercase hex digits")
-    if type(sig) is not str or not _SIG_RE.fullmatch(sig):
+    if type(sig) is not str or not SIG_RE.fullmatch(sig):
         raise ReportError("signature must be 128 lowercase hex digits (an Ed25519 signature)")
     body = validate_body(kind, obj["body"])
     if body != obj["body"] or any(type(body[k]) is not type(obj["body"][k]) for k in body):

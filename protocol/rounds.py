@@ -3,7 +3,8 @@
 Everything a peer decides about a round lives here, so that every peer decides it the same way and the rules are
 unit-tested without a network:
 - which peers may average together (`compatible`), and whom to gather around (`pick_leader`);
-- which agreed state a peer that is behind must fetch (`choose_target`);
+- the leader order nobody controls (`leader_rank`), the swarm a group must be a majority of (`active_count`), and
+  which claimed states outrank ours (`better_claims`, the fork choice);
 - how long a leader waits for peers that are about to be ready (`grace_over`);
 - which contributions are admissible (`check_contribution`), how much each weighs (`token_weights`) and their
   weighted average (`weighted_average`);
@@ -11,8 +12,9 @@ unit-tested without a network:
 """
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,11 +96,14 @@ class Deadlines:
 
 @dataclass(frozen=True)
 class Behind:
-    """The swarm holds a newer (or, at the same round, a majority) state: fetch it from these donors."""
+    """The swarm holds a certified state that outranks ours: fetch it from these donors. `certificate` is the
+    verified `protocol.certificates.Certificate` of that state."""
 
     round: int
     state_hash: str
     donors: list[str]
+    work: int = 0
+    certificate: Any = None
 
 
 def compatible(records: Mapping[str, PeerRecord], fingerprint: str) -> dict[str, PeerRecord]:
@@ -118,40 +123,67 @@ def compatibility_problem(records: Mapping[str, PeerRecord], *, fingerprint: str
     return f"the swarm trains a different model: {describe_difference(config, rec.config())}"
 
 
-def pick_leader(me: str, my_members: int, candidates: Mapping[str, PeerRecord], quorum: int) -> str:
-    """Whom to gather around for this round: the ready peer leading the most members (ties: smallest peer id).
+def leader_rank(state_hash: str, peer: str) -> bytes:
+    """A peer's place in the leader order of the round that starts from `state_hash`: a hash nobody controls (the
+    state is only known once the previous round is certified), so no peer can claim or grind its way to the front
+    beyond trying its few admitted identities."""
+    return hashlib.sha256(f"{state_hash}\n{peer}".encode()).digest()
 
-    `my_members` is how many joined us (0 when we are not leading). Every peer orders leaders the same way, so
-    splits heal: a leader whose group is smaller than another's, and below quorum, gets the other's id back and
-    merges into it. A leader whose group has reached quorum keeps it (it is about to close).
-    """
-    if my_members and 1 + my_members >= quorum:
+
+def pick_leader(me: str, my_members: int, candidates: Iterable[str], *, needed: int, state_hash: str) -> str:
+    """Whom to gather around for this round: among us and the ready `candidates` at our state, the lowest
+    `leader_rank`. Every peer orders leaders the same way, so splits heal: a leader whose group is below `needed`
+    sees the better-ranked one and merges into it. A leader whose group has reached `needed` keeps it (it is about
+    to close)."""
+    if my_members and 1 + my_members >= needed:
         return me
-    best = (-my_members, me)
-    for peer, rec in candidates.items():
-        best = min(best, (-rec.leading, peer))
-    return best[1]
+    return min((me, *candidates), key=lambda p: (leader_rank(state_hash, p), p))
 
 
-def choose_target(records: Mapping[str, PeerRecord], me: str, round_number: int, state_hash: str) -> Behind | None:
-    """The agreed state to re-sync to, if ours is not it: the highest round; at that round, the hash held by most
-    peers (ties: smallest hash, so every peer picks the same). None when our state is (one of) the newest."""
-    if not records:
-        return None
-    top = max(r.round for r in records.values())
-    if top < round_number:
-        return None
-    counts: dict[str, int] = {}
-    for rec in records.values():
-        if rec.round == top:
-            counts[rec.state_hash] = counts.get(rec.state_hash, 0) + 1
-    if top == round_number:
-        counts[state_hash] = counts.get(state_hash, 0) + 1
-    best_hash = min(counts, key=lambda h: (-counts[h], h))
-    if top == round_number and best_hash == state_hash:
-        return None
-    donors = [p for p, r in records.items() if r.round == top and r.state_hash == best_hash and p != me]
-    return Behind(round=top, state_hash=best_hash, donors=donors) if donors else None
+def active_count(records: Mapping[str, PeerRecord], round_number: int) -> int:
+    """The swarm a group for round r is a majority of: us and every peer at round r − 1 or later (a peer one round
+    behind is catching up; a joiner still at an old state is not training with us yet)."""
+    return 1 + sum(1 for r in records.values() if r.round >= round_number - 1)
+
+
+def active_past_genesis(records: Mapping[str, PeerRecord]) -> int:
+    """Us and every peer that holds a certified state (past θ_0): what a certificate must speak for."""
+    return 1 + sum(1 for r in records.values() if r.round >= 1)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A state some peers say they hold, and the certified work they say leads to it."""
+
+    round: int
+    state_hash: str
+    work: int
+    donors: tuple[str, ...]
+
+    def key(self) -> tuple[int, int, str]:
+        return (self.work, self.round, self.state_hash)
+
+
+def outranks(a: tuple[int, int, str], b: tuple[int, int, str]) -> bool:
+    """Fork choice, applied by every peer the same way: more certified work wins, then the higher round, then the
+    smaller hash."""
+    return (a[0], a[1]) > (b[0], b[1]) or ((a[0], a[1]) == (b[0], b[1]) and a[2] < b[2])
+
+
+def better_claims(records: Mapping[str, PeerRecord], *, round_number: int, state_hash: str, work: int,
+                  genesis_hash: str) -> list[Claim]:
+    """Claims that outrank the state we hold, best first. θ_0 needs no claim: every peer computes it, so any other
+    round-0 hash is refused outright."""
+    groups: dict[tuple[int, int, str], list[str]] = {}
+    for peer, rec in records.items():
+        if rec.round == 0 and rec.state_hash != genesis_hash:
+            continue
+        groups.setdefault((rec.work, rec.round, rec.state_hash), []).append(peer)
+    ours = (work, round_number, state_hash)
+    found = [Claim(round=k[1], state_hash=k[2], work=k[0], donors=tuple(sorted(v)))
+             for k, v in groups.items() if outranks(k, ours)]
+    found.sort(key=lambda c: (-c.work, -c.round, c.state_hash))
+    return found
 
 
 def group_forming(records: Mapping[str, PeerRecord], round_number: int, state_hash: str) -> bool:

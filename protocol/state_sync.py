@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from protocol import swarmloco_wire_pb2 as pb
+from protocol.admission import Credentials, Gate
+from protocol.certificates import Certificate
 from protocol.hooks import Hooks
 from protocol.records import PROTOCOL_VERSION
 from protocol.transport import Transport
@@ -25,6 +27,7 @@ class ServedState:
     round: int
     state_hash: str
     blob: bytes
+    certificate: bytes = b""  # the commit certificate of this state (empty for θ_0)
 
 
 class StateSyncError(RuntimeError):
@@ -32,10 +35,13 @@ class StateSyncError(RuntimeError):
 
 
 class StateServer:
-    """Serves this peer's current global state, at most `max_concurrent` downloads at a time."""
+    """Serves this peer's current global state and its certificate to admitted peers, at most `max_concurrent`
+    downloads at a time."""
 
-    def __init__(self, node: Transport, fingerprint: str, *, max_concurrent: int = 4, timeout_s: float = 120.0,
-                 control_timeout_s: float = 10.0, hooks: Hooks | None = None) -> None:
+    def __init__(self, node: Transport, fingerprint: str, *, gate: Gate, credentials: Credentials,
+                 max_concurrent: int = 4, timeout_s: float = 120.0, control_timeout_s: float = 10.0,
+                 hooks: Hooks | None = None) -> None:
+        self.gate, self.credentials = gate, credentials
         self.node, self.fingerprint, self.timeout_s, self.control_timeout_s = (
             node,
             fingerprint,
@@ -58,13 +64,21 @@ class StateServer:
         try:
             req, _ = await read_frame(reader, pb.StateRequest, max_payload=0, timeout=control)
             state = self.state
+            refusal = ""
             if req.run_id != self.node.run_id or req.fingerprint != self.fingerprint:
-                await write_frame(
-                    writer, pb.StateHeader(ok=False, message="run id or model fingerprint differs"), timeout=control
-                )
+                refusal = "run id or model fingerprint differs"
+            elif problem := self.gate.check(req.ticket, caller):
+                refusal = f"not admitted: {problem}"
+            elif state is None:
+                refusal = "no state yet"
+            if refusal:
+                await write_frame(writer, pb.StateHeader(ok=False, message=refusal), timeout=control)
                 return
-            if state is None:
-                await write_frame(writer, pb.StateHeader(ok=False, message="no state yet"), timeout=control)
+            if req.certificate_only:
+                header = pb.StateHeader(ok=True, round=state.round, state_hash=state.state_hash,
+                                        total_bytes=len(state.blob), certificate=state.certificate,
+                                        ticket=self.credentials.ticket)
+                await write_frame(writer, header, timeout=control)
                 return
             if self._slots.locked():
                 await write_frame(writer, pb.StateHeader(ok=False, message="busy: too many downloads"), timeout=control)
@@ -91,6 +105,26 @@ def state_handler(run_id: str) -> str:
     return f"swarmloco/{run_id}/state/v{PROTOCOL_VERSION}"
 
 
+async def fetch_certificate(node: Transport, donor: str, *, fingerprint: str, ticket: bytes,
+                            timeout: float) -> Certificate:
+    """The commit certificate of the state `donor` serves (parsed, not verified). Raises StateSyncError."""
+    reader, writer = await node.open_stream(donor, state_handler(node.run_id), timeout=timeout)
+    try:
+        request = pb.StateRequest(run_id=node.run_id, fingerprint=fingerprint, ticket=ticket, certificate_only=True)
+        await write_frame(writer, request, timeout=timeout)
+        header, _ = await read_frame(reader, pb.StateHeader, max_payload=0, timeout=timeout)
+    finally:
+        close_writer(writer)
+    if not header.ok:
+        raise StateSyncError(f"donor refused: {header.message}")
+    if not header.certificate:
+        raise StateSyncError(f"donor serves round {header.round} without a certificate")
+    try:
+        return Certificate.from_bytes(header.certificate)
+    except ValueError as exc:
+        raise StateSyncError(f"malformed certificate: {exc}") from None
+
+
 async def _fetch(
     node: Transport,
     name: str,
@@ -104,12 +138,13 @@ async def _fetch(
     total: int,
     timeout: float,
     control: float,
+    ticket: bytes,
 ) -> bytearray:
     reader, writer = await node.open_stream(donor, name, timeout=control)
     try:
         await write_frame(
             writer,
-            pb.StateRequest(run_id=node.run_id, fingerprint=fingerprint, offset=offset, length=length),
+            pb.StateRequest(run_id=node.run_id, fingerprint=fingerprint, offset=offset, length=length, ticket=ticket),
             timeout=control,
         )
         header, body = await read_frame(reader, pb.StateHeader, max_payload=total, timeout=timeout)
@@ -136,6 +171,7 @@ async def download_state(
     max_parallel: int = 4,
     timeout: float = 300.0,
     control_timeout: float = 15.0,
+    ticket: bytes = b"",
 ) -> tuple[bytearray, list[str]]:
     """Fetch and verify the state; returns (blob, failures: donors that failed or lied, plus "parallel-assembly" when
     the parallel download did not verify). Raises StateSyncError."""
@@ -143,7 +179,8 @@ async def download_state(
     bad: list[str] = []
     loop = asyncio.get_running_loop()
     kw = dict(
-        expect_round=round_number, expect_hash=state_hash, total=total_bytes, timeout=timeout, control=control_timeout
+        expect_round=round_number, expect_hash=state_hash, total=total_bytes, timeout=timeout, control=control_timeout,
+        ticket=ticket,
     )
     parallel = donors[:max_parallel]
     if len(parallel) > 1:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14swarmloco_wire.proto\x12\tswarmloco\"\x89\x01\n\x0bJoinRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x18\n\x10task_config_json\x18\x04 \x01(\t\x12\r\n\x05round\x18\x05 \x01(\x04\x12\x12\n\nstate_hash\x18\x06 \x01(\t\"\xb0\x01\n\tJoinReply\x12+\n\x06status\x18\x01 \x01(\x0e\x32\x1b.swarmloco.JoinReply.Status\x12\x0f\n\x07message\x18\x02 \x01(\t\"e\n\x06Status\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x00\x12\x0e\n\nNOT_LEADER\x10\x01\x12\x10\n\x0cROUND_CLOSED\x10\x02\x12\x10\n\x0cINCOMPATIBLE\x10\x03\x12\x0f\n\x0bWRONG_STATE\x10\x04\x12\x08\n\x04\x46ULL\x10\x05\"x\n\x0bGroupClosed\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0f\n\x07members\x18\x02 \x03(\t\x12\r\n\x05\x63odec\x18\x03 \x01(\t\x12\x12\n\ndeadline_s\x18\x04 \x01(\x01\x12\x12\n\ndata_addrs\x18\x05 \x03(\t\x12\x12\n\ndata_token\x18\x06 \x01(\t\"\x1a\n\tDataHello\x12\r\n\x05token\x18\x01 \x01(\t\"g\n\x0c\x43ontribution\x12\x0e\n\x06tokens\x18\x01 \x01(\x04\x12\r\n\x05\x63odec\x18\x02 \x01(\t\x12\r\n\x05numel\x18\x03 \x01(\x04\x12\x11\n\tstaleness\x18\x04 \x01(\r\x12\x16\n\x0evia_data_plane\x18\x05 \x01(\x08\"\x88\x02\n\x0bRoundResult\x12/\n\x07outcome\x18\x01 \x01(\x0e\x32\x1e.swarmloco.RoundResult.Outcome\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x16\n\x0enew_state_hash\x18\x04 \x01(\t\x12\x0f\n\x07members\x18\x05 \x03(\t\x12\x0f\n\x07weights\x18\x06 \x03(\x04\x12\x10\n\x08\x65xcluded\x18\x07 \x03(\t\x12\x18\n\x10\x65xcluded_reasons\x18\x08 \x03(\t\x12\r\n\x05\x63odec\x18\t \x01(\t\x12\r\n\x05numel\x18\n \x01(\x04\"%\n\x07Outcome\x12\r\n\tCOMMITTED\x10\x00\x12\x0b\n\x07\x41\x42ORTED\x10\x01\"S\n\x0cStateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\"r\n\x0bStateHeader\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x12\n\nstate_hash\x18\x04 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x0e\n\x06offset\x18\x06 \x01(\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14swarmloco_wire.proto\x12\tswarmloco\"\x99\x01\n\x0bJoinRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x18\n\x10task_config_json\x18\x04 \x01(\t\x12\r\n\x05round\x18\x05 \x01(\x04\x12\x12\n\nstate_hash\x18\x06 \x01(\t\x12\x0e\n\x06ticket\x18\x07 \x01(\x0c\"\xd2\x01\n\tJoinReply\x12+\n\x06status\x18\x01 \x01(\x0e\x32\x1b.swarmloco.JoinReply.Status\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06ticket\x18\x03 \x01(\x0c\"w\n\x06Status\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x00\x12\x0e\n\nNOT_LEADER\x10\x01\x12\x10\n\x0cROUND_CLOSED\x10\x02\x12\x10\n\x0cINCOMPATIBLE\x10\x03\x12\x0f\n\x0bWRONG_STATE\x10\x04\x12\x08\n\x04\x46ULL\x10\x05\x12\x10\n\x0cNOT_ADMITTED\x10\x06\"\x87\x01\n\x0bGroupClosed\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0f\n\x07members\x18\x02 \x03(\t\x12\r\n\x05\x63odec\x18\x03 \x01(\t\x12\x12\n\ndeadline_s\x18\x04 \x01(\x01\x12\x12\n\ndata_addrs\x18\x05 \x03(\t\x12\x12\n\ndata_token\x18\x06 \x01(\t\x12\r\n\x05swarm\x18\x07 \x01(\r\"\x1a\n\tDataHello\x12\r\n\x05token\x18\x01 \x01(\t\"g\n\x0c\x43ontribution\x12\x0e\n\x06tokens\x18\x01 \x01(\x04\x12\r\n\x05\x63odec\x18\x02 \x01(\t\x12\r\n\x05numel\x18\x03 \x01(\x04\x12\x11\n\tstaleness\x18\x04 \x01(\r\x12\x16\n\x0evia_data_plane\x18\x05 \x01(\x08\"\xb8\x02\n\x0bRoundResult\x12/\n\x07outcome\x18\x01 \x01(\x0e\x32\x1e.swarmloco.RoundResult.Outcome\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x16\n\x0enew_state_hash\x18\x04 \x01(\t\x12\x0f\n\x07members\x18\x05 \x03(\t\x12\x0f\n\x07weights\x18\x06 \x03(\x04\x12\x10\n\x08\x65xcluded\x18\x07 \x03(\t\x12\x18\n\x10\x65xcluded_reasons\x18\x08 \x03(\t\x12\r\n\x05\x63odec\x18\t \x01(\t\x12\r\n\x05numel\x18\n \x01(\x04\x12\x11\n\tprev_hash\x18\x0b \x01(\t\x12\r\n\x05swarm\x18\x0c \x01(\r\x12\x0c\n\x04work\x18\r \x01(\x04\"%\n\x07Outcome\x12\r\n\tCOMMITTED\x10\x00\x12\x0b\n\x07\x41\x42ORTED\x10\x01\"9\n\x04Vote\x12\x0e\n\x06\x61\x63\x63\x65pt\x18\x01 \x01(\x08\x12\x11\n\tsignature\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"9\n\x06\x43ommit\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x13\n\x0b\x63\x65rtificate\x18\x02 \x01(\x0c\x12\x0e\n\x06reason\x18\x03 \x01(\t\"}\n\x0cStateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x0e\n\x06ticket\x18\x05 \x01(\x0c\x12\x18\n\x10\x63\x65rtificate_only\x18\x06 \x01(\x08\"\x97\x01\n\x0bStateHeader\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x12\n\nstate_hash\x18\x04 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x0e\n\x06offset\x18\x06 \x01(\x04\x12\x13\n\x0b\x63\x65rtificate\x18\x07 \x01(\x0c\x12\x0e\n\x06ticket\x18\x08 \x01(\x0c\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,23 +32,27 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'swarmloco_wire_pb2', _globa
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_JOINREQUEST']._serialized_start=36
-  _globals['_JOINREQUEST']._serialized_end=173
-  _globals['_JOINREPLY']._serialized_start=176
-  _globals['_JOINREPLY']._serialized_end=352
-  _globals['_JOINREPLY_STATUS']._serialized_start=251
-  _globals['_JOINREPLY_STATUS']._serialized_end=352
-  _globals['_GROUPCLOSED']._serialized_start=354
-  _globals['_GROUPCLOSED']._serialized_end=474
-  _globals['_DATAHELLO']._serialized_start=476
-  _globals['_DATAHELLO']._serialized_end=502
-  _globals['_CONTRIBUTION']._serialized_start=504
-  _globals['_CONTRIBUTION']._serialized_end=607
-  _globals['_ROUNDRESULT']._serialized_start=610
-  _globals['_ROUNDRESULT']._serialized_end=874
-  _globals['_ROUNDRESULT_OUTCOME']._serialized_start=837
-  _globals['_ROUNDRESULT_OUTCOME']._serialized_end=874
-  _globals['_STATEREQUEST']._serialized_start=876
-  _globals['_STATEREQUEST']._serialized_end=959
-  _globals['_STATEHEADER']._serialized_start=961
-  _globals['_STATEHEADER']._serialized_end=1075
+  _globals['_JOINREQUEST']._serialized_end=189
+  _globals['_JOINREPLY']._serialized_start=192
+  _globals['_JOINREPLY']._serialized_end=402
+  _globals['_JOINREPLY_STATUS']._serialized_start=283
+  _globals['_JOINREPLY_STATUS']._serialized_end=402
+  _globals['_GROUPCLOSED']._serialized_start=405
+  _globals['_GROUPCLOSED']._serialized_end=540
+  _globals['_DATAHELLO']._serialized_start=542
+  _globals['_DATAHELLO']._serialized_end=568
+  _globals['_CONTRIBUTION']._serialized_start=570
+  _globals['_CONTRIBUTION']._serialized_end=673
+  _globals['_ROUNDRESULT']._serialized_start=676
+  _globals['_ROUNDRESULT']._serialized_end=988
+  _globals['_ROUNDRESULT_OUTCOME']._serialized_start=951
+  _globals['_ROUNDRESULT_OUTCOME']._serialized_end=988
+  _globals['_VOTE']._serialized_start=990
+  _globals['_VOTE']._serialized_end=1047
+  _globals['_COMMIT']._serialized_start=1049
+  _globals['_COMMIT']._serialized_end=1106
+  _globals['_STATEREQUEST']._serialized_start=1108
+  _globals['_STATEREQUEST']._serialized_end=1233
+  _globals['_STATEHEADER']._serialized_start=1236
+  _globals['_STATEHEADER']._serialized_end=1387
 # @@protoc_insertion_point(module_scope)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import itertools
 import threading
 from collections.abc import Coroutine
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, TypeVar
 
+from protocol.admission import Credentials
+from protocol.identity import Identity
 from protocol.records import PeerRecord
 from protocol.transport import Stream, StreamHandler, run_on
 
@@ -62,7 +64,6 @@ class FakeNetwork:
         self.visible: dict[str, set[str]] = {}  # peer -> the peers whose records it can see (absent: all)
         self._ends: list[_PipeEnd] = []
         self._tasks: set[asyncio.Task[None]] = set()
-        self._ids = itertools.count()
 
     def __enter__(self) -> FakeNetwork:
         return self
@@ -70,8 +71,9 @@ class FakeNetwork:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def peer(self, peer_id: str | None = None, *, run_id: str = "fake-run") -> FakeTransport:
-        return FakeTransport(self, peer_id or f"peer-{next(self._ids):03d}", run_id)
+    def peer(self, *, run_id: str = "fake-run") -> FakeTransport:
+        """A new peer with a real Ed25519 identity (its peer id is the key's), so it signs like a real one."""
+        return FakeTransport(self, Identity(path=Path("<memory>"), private_key=Identity.generate()), run_id)
 
     def partition(self, *groups: set[str]) -> None:
         """Each peer sees only the records of its own group (and streams still connect: it is a view split)."""
@@ -133,8 +135,9 @@ class FakeNetwork:
 
 
 class FakeTransport:
-    def __init__(self, net: FakeNetwork, peer_id: str, run_id: str) -> None:
-        self.net, self._peer_id, self._run_id = net, peer_id, run_id
+    def __init__(self, net: FakeNetwork, identity: Identity, run_id: str) -> None:
+        self.net, self._peer_id, self._run_id = net, identity.peer_id, run_id
+        self.credentials = Credentials(identity)  # no ticket: fake peers form a private swarm unless a test says so
         self.loop = net.loop
 
     @property

@@ -4,30 +4,36 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hashlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
+from _fake_rounds import (
+    FAST,
+    H0,
+    MODEL,
+    NUMEL,
+    Applied,
+    announce,
+    averager_for,
+    by_rank,
+    join_request,
+    peers,
+    run,
+    whole_round,
+)
 
 from protocol import swarmloco_wire_pb2 as pb
-from protocol.averager import Averager, Contribution, RoundResult
+from protocol.admission import Gate
 from protocol.hooks import Hooks
 from protocol.matchmaking import Group, Matchmaker
-from protocol.records import PROTOCOL_VERSION, PeerRecord
-from protocol.rounds import Behind, LocalModel, Outcome, RoundConfig
-from protocol.testing.fake import FakeNetwork, FakeTransport
+from protocol.rounds import Outcome, RoundConfig
+from protocol.testing.fake import FakeNetwork
 from protocol.wire import read_frame, write_frame
 
 pytestmark = pytest.mark.timeout(60)
-H0 = "0" * 64
-NUMEL = 64
-MODEL = LocalModel(fingerprint="fp", config={"numel": NUMEL}, numel=NUMEL)
-FAST = dict(
-    grace_min_s=0.0, grace_max_s=0.2, round_timeout_s=5, exchange_timeout_s=1, control_timeout_s=1, codec="fp32"
-)
 
 
 @pytest.fixture
@@ -36,78 +42,37 @@ def net() -> Iterator[FakeNetwork]:
         yield n
 
 
-def _peers(net: FakeNetwork, n: int, *, quorum: int, hooks: dict[int, Hooks] | None = None) -> list[Averager]:
-    out = []
-    for i in range(n):
-        transport = net.peer(f"peer-{i}")
-        averager = Averager(transport, RoundConfig(quorum=quorum, **FAST), MODEL, hooks=(hooks or {}).get(i))
-        averager.start()
-        averager.set_state(0, H0)
-        _ready(transport)
-        out.append(averager)
-    return out
-
-
-def _ready(transport: FakeTransport, round_number: int = 0) -> None:
-    record = PeerRecord.announce(fingerprint="fp", config_json="{}", round=round_number, state_hash=H0, ready=True)
-    transport.update_record(**record.to_value())
-
-
-def _join_request(transport: FakeTransport) -> pb.JoinRequest:
-    return pb.JoinRequest(protocol_version=PROTOCOL_VERSION, run_id=transport.run_id, fingerprint="fp", round=0,
-                          state_hash=H0)
-
-
-def _delta(i: int) -> torch.Tensor:
-    return torch.full((NUMEL,), float(i + 1))
-
-
-class Applied:
-    """An `apply` that records what it was given and returns a hash of it (so equal averages give equal hashes)."""
-
-    def __init__(self) -> None:
-        self.calls: list[torch.Tensor] = []
-
-    def __call__(self, average: torch.Tensor) -> str:
-        self.calls.append(average.clone())
-        return hashlib.sha256(average.numpy().tobytes()).hexdigest()
-
-
-def _round(
-    averagers: list[Averager], tokens: Callable[[int], int] = lambda i: 100
-) -> tuple[list[RoundResult], list[Applied]]:
-    """Every averager finds its group and runs the round, each on its own thread, as peers do."""
-    applied = [Applied() for _ in averagers]
-
-    def one(i: int) -> RoundResult:
-        found = averagers[i].find_group(0, H0).result(timeout=10)
-        assert isinstance(found, Group), found
-        return averagers[i].run_round(found, Contribution(delta=_delta(i), tokens=tokens(i)), apply=applied[i])
-
-    with concurrent.futures.ThreadPoolExecutor(len(averagers)) as pool:
-        results = list(pool.map(one, range(len(averagers))))
-    return results, applied
-
-
-def test_three_peers_commit_the_same_token_weighted_average(net: FakeNetwork) -> None:
-    results, applied = _round(_peers(net, 3, quorum=3), tokens=lambda i: 100 * (i + 1))
+def test_three_peers_commit_the_same_token_weighted_average_with_a_certificate(net: FakeNetwork) -> None:
+    averagers = peers(net, 3, quorum=3)
+    ids = [a.transport.peer_id for a in averagers]
+    results, applied = whole_round(averagers, tokens=lambda i: 100 * (i + 1))
     assert [r.outcome for r in results] == [Outcome.COMMITTED] * 3
     assert len({r.state_hash for r in results}) == 1 and all(r.state_hash == r.leader_hash for r in results)
     leader = next(r for r in results if r.role == "leader")
-    assert leader.members == ["peer-0", "peer-1", "peer-2"] and leader.weights == [100, 200, 300]
+    order = sorted(ids)
+    assert leader.members == order and leader.weights == [100 * (ids.index(p) + 1) for p in order]
     # every byte the leader reports sending is one a member reports receiving, and the other way round
     members = [r for r in results if r.role == "member"]
     assert leader.bytes_sent == sum(r.bytes_received for r in members) > 0
     assert leader.bytes_received == sum(r.bytes_sent for r in members) > 0
     expected = (1 * 100 + 2 * 200 + 3 * 300) / 600
     assert all(torch.allclose(a.calls[0], torch.full((NUMEL,), expected)) for a in applied)
+    # θ_1 exists with a certificate every member holds: all three signed, over the previous and the new state
+    certs = [r.certificate for r in results]
+    assert all(c is not None and c.statement == certs[0].statement for c in certs)  # type: ignore[union-attr]
+    s = certs[0].statement  # type: ignore[union-attr]
+    assert (s.round, s.prev_hash, s.new_hash, s.swarm, s.work) == (1, H0, results[0].state_hash, 3, 600)
+    assert set(certs[0].signatures) == set(ids)  # type: ignore[union-attr]
+    assert all(not averagers[0].chain.verify(c) for c in certs)  # type: ignore[arg-type]
+    assert all(a.head.round == 1 and a.head.work == 600 for a in averagers)
+    assert not any(a.rolled_back for a in applied)
 
 
-def test_split_groups_below_quorum_merge(net: FakeNetwork) -> None:
+def test_split_groups_below_the_majority_merge(net: FakeNetwork) -> None:
     """Two halves that see only each other's records each form a group of 2 (quorum 4); once the view heals, the
-    weaker leader hands its member over and one group of 4 closes. Without the merge all four time out."""
-    averagers = _peers(net, 4, quorum=4)
-    ids = [a.transport.peer_id for a in averagers]
+    worse-ranked leader hands its member over and one group of 4 closes. Without the merge all four time out."""
+    averagers = by_rank(peers(net, 4, quorum=4))
+    ids = [a.transport.peer_id for a in averagers]  # in leader order: ids[0] leads once everyone is seen
     net.partition({ids[0], ids[2]}, {ids[1], ids[3]})
     futures = [a.find_group(0, H0) for a in averagers]
     deadline = time.monotonic() + 5
@@ -118,62 +83,83 @@ def test_split_groups_below_quorum_merge(net: FakeNetwork) -> None:
     groups = [f.result(timeout=10) for f in futures]
     assert all(isinstance(g, Group) for g in groups)
     assert {g.leader for g in groups} == {ids[0]}  # type: ignore[union-attr]
-    assert sorted(next(g for g in groups if g.is_leader).members) == ids  # type: ignore[union-attr]
+    assert sorted(next(g for g in groups if g.is_leader).members) == sorted(ids)  # type: ignore[union-attr]
 
 
-def test_member_dying_after_join_is_left_out(net: FakeNetwork) -> None:
-    """A peer is accepted into the group, then vanishes before it closes: the others still commit together."""
-    leader, member = _peers(net, 2, quorum=3)
-    victim = net.peer("peer-9")
+def test_a_group_that_loses_a_member_below_quorum_is_discarded_and_rolled_back(net: FakeNetwork) -> None:
+    """A peer is accepted into the group, then vanishes before it closes: the two left cannot gather the three
+    signatures quorum 3 asks for, so nobody keeps θ_1 — both roll back (before, they committed a round of 2)."""
+    leader, member = by_rank(peers(net, 2, quorum=3))
+    victim = net.peer()
 
     async def join_then_die() -> None:
         reader, writer = await victim.open_stream(leader.transport.peer_id, leader.matchmaker.handler_name, timeout=1)  # type: ignore[union-attr]
-        await write_frame(writer, _join_request(victim), timeout=1)
+        await write_frame(writer, join_request(victim), timeout=1)
         reply, _ = await read_frame(reader, pb.JoinReply, max_payload=0, timeout=1)
         assert reply.status == pb.JoinReply.ACCEPTED, reply
 
     found = leader.find_group(0, H0)
     time.sleep(0.05)  # the leader is collecting
     net.call(join_then_die(), timeout=5)
-    net.kill("peer-9")  # the leader still counts it: 2 of 3, so the group waits for the member
+    net.kill(victim.peer_id)  # the leader still counts it: 2 of 3, so the group waits for the member
     member_found = member.find_group(0, H0)
     applied = [Applied(), Applied()]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        runs = [
-            pool.submit(
-                lambda a=a, f=f, i=i: a.run_round(
-                    f.result(timeout=10), Contribution(delta=_delta(i), tokens=10), apply=applied[i]
-                )
-            )
-            for i, (a, f) in enumerate([(leader, found), (member, member_found)])
-        ]
-        results = [run.result(timeout=20) for run in runs]
-    assert [r.outcome for r in results] == [Outcome.COMMITTED] * 2, results
-    assert results[0].state_hash == results[1].state_hash and results[0].members == ["peer-0", "peer-1"]
+        runs = [pool.submit(lambda a=a, f=f, i=i: run(a, f.result(timeout=10), i, applied[i]))
+                for i, (a, f) in enumerate([(leader, found), (member, member_found)])]
+        results = [r.result(timeout=20) for r in runs]
+    assert [r.outcome for r in results] == [Outcome.DISCARDED] * 2, results
+    assert "2 valid signature(s), 3 needed" in results[0].reason, results[0].reason
+    assert all(len(a.calls) == 1 and a.rolled_back == 1 for a in applied)
+    assert leader.head.round == 0 and member.head.round == 0
 
 
 def test_leader_dying_before_commit_discards_the_round_for_every_member(net: FakeNetwork) -> None:
+    averagers = by_rank(peers(net, 3, quorum=3))
+    leader_id = averagers[0].transport.peer_id
+
     class DieBeforeCommit(Hooks):
         def before_commit(self, round_number: int) -> None:
-            net.kill("peer-0")
+            net.kill(leader_id)
 
-    averagers = _peers(net, 3, quorum=3, hooks={0: DieBeforeCommit()})
-    results, applied = _round(averagers)
+    averagers[0].hooks = DieBeforeCommit()
+    results, applied = whole_round(averagers)
     members = [r for r in results if r.role == "member"]
-    assert len(members) == 2 and all(r.outcome == Outcome.DISCARDED and r.leader == "peer-0" for r in members), members
-    assert all(not a.calls for a in applied[1:]), "a member applied a round its leader never committed"
+    assert len(members) == 2 and all(r.outcome == Outcome.DISCARDED and r.leader == leader_id for r in members)
+    assert all(not a.holds_new_state for a in applied[1:]), "a member kept a round its leader never certified"
     assert all("lost the leader" in r.reason for r in members)
 
 
+def test_leader_dying_after_the_votes_leaves_every_member_on_the_old_state(net: FakeNetwork) -> None:
+    """The leader has the average out and the signatures in, then dies before the certificate leaves: every member
+    applied θ_1 tentatively and rolls it back, so no peer holds a state without a certificate."""
+    averagers = by_rank(peers(net, 3, quorum=3))
+    leader = averagers[0]
+    verify = leader.chain.verify
+
+    def die_once_signed(certificate):  # type: ignore[no-untyped-def]
+        # runs on the loop once every vote is in; the certificate broadcast that follows meets a dead leader
+        asyncio.ensure_future(net._kill(leader.transport.peer_id))
+        return verify(certificate)
+
+    leader.chain.verify = die_once_signed  # type: ignore[method-assign]
+    results, applied = whole_round(averagers)
+    members = [r for r, a in zip(results, averagers, strict=True) if a is not leader]
+    assert all(r.outcome == Outcome.DISCARDED for r in members), members
+    assert all(a.calls and not a.holds_new_state for a in applied[1:])
+
+
 def test_member_that_never_sends_is_excluded_and_the_round_commits(net: FakeNetwork) -> None:
-    """A stranger joins, receives GroupClosed, and goes silent: the leader stops waiting at its collect deadline."""
-    averagers = _peers(net, 2, quorum=3)
-    silent = net.peer("peer-silent")
+    """A stranger joins, receives GroupClosed, and goes silent: the leader stops waiting at its collect deadline and
+    the two contributors certify the round."""
+    averagers = by_rank(peers(net, 2, quorum=2))
+    silent = net.peer()
     held: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    leader_id = averagers[0].transport.peer_id
 
     async def join_and_hold() -> None:
-        reader, writer = await silent.open_stream("peer-0", averagers[0].matchmaker.handler_name, timeout=1)  # type: ignore[union-attr]
-        await write_frame(writer, _join_request(silent), timeout=1)
+        reader, writer = await silent.open_stream(leader_id, averagers[0].matchmaker.handler_name, timeout=1)  # type: ignore[union-attr]
+        await write_frame(writer, join_request(silent), timeout=1)
         held.append((reader, writer))  # never sends a contribution, never closes
 
     found = averagers[0].find_group(0, H0)
@@ -181,48 +167,43 @@ def test_member_that_never_sends_is_excluded_and_the_round_commits(net: FakeNetw
     net.call(join_and_hold(), timeout=5)
     applied = [Applied(), Applied()]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        lead = pool.submit(
-            lambda: averagers[0].run_round(
-                found.result(timeout=10), Contribution(delta=_delta(0), tokens=10), apply=applied[0]
-            )
-        )
-        memb = pool.submit(
-            lambda: averagers[1].run_round(
-                averagers[1].find_group(0, H0).result(timeout=10),
-                Contribution(delta=_delta(1), tokens=10),
-                apply=applied[1],
-            )
-        )
+        lead = pool.submit(lambda: run(averagers[0], found.result(timeout=10), 0, applied[0], 10))  # type: ignore[arg-type]
+        memb = pool.submit(lambda: run(averagers[1], averagers[1].find_group(0, H0).result(timeout=10), 1,  # type: ignore[arg-type]
+                                       applied[1], 10))
         results = [lead.result(timeout=20), memb.result(timeout=20)]
     assert [r.outcome for r in results] == [Outcome.COMMITTED] * 2, results
-    assert "no contribution" in results[0].excluded["peer-silent"], results[0].excluded
-    assert results[0].members == ["peer-0", "peer-1"] and results[0].state_hash == results[1].state_hash
+    assert "no contribution" in results[0].excluded[silent.peer_id], results[0].excluded
+    assert results[0].members == sorted(a.transport.peer_id for a in averagers)
+    assert results[0].state_hash == results[1].state_hash
 
 
 def test_a_peer_that_goes_to_join_another_leader_stops_admitting_members(net: FakeNetwork) -> None:
-    """peer-5 leads alone, then sees a leader it prefers and goes to join it. While that join is in flight, a third
-    peer asking peer-5 must be turned away: before, it was admitted to a group peer-5 never closed, and waited."""
-    (lone,) = _peers_named(net, ["peer-5"], quorum=2)
+    """A peer leads alone, then sees a better-ranked leader and goes to join it. While that join is in flight, a
+    third peer asking the first must be turned away: before, it was admitted to a group never closed, and waited."""
+    lone = averager_for(net.peer(), quorum=2)
+    announce(lone.transport)  # type: ignore[arg-type]
     found = lone.find_group(0, H0)
-    time.sleep(0.05)  # peer-5 is collecting, nobody else is ready
-    preferred = net.peer("peer-1")
+    time.sleep(0.05)  # it is collecting, nobody else is ready
+    preferred = net.peer()
+    while by_rank([lone, averager_for(preferred, quorum=2)])[0] is lone:
+        preferred = net.peer()  # a peer that outranks it for this state
     reply_now = asyncio.Event()
     asked = threading.Event()
 
     async def slow_leader(caller: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_frame(reader, pb.JoinRequest, max_payload=0, timeout=1)
         asked.set()
-        await reply_now.wait()  # keeps peer-5's join in flight
+        await reply_now.wait()  # keeps the join in flight
         await write_frame(writer, pb.JoinReply(status=pb.JoinReply.NOT_LEADER, message="test"), timeout=1)
 
     net.call(preferred.add_handler(lone.matchmaker.handler_name, slow_leader), timeout=1)  # type: ignore[union-attr]
-    _ready(preferred)
-    assert asked.wait(5), "peer-5 never went to join the preferred leader"
-    asker = net.peer("peer-7")
+    announce(preferred)
+    assert asked.wait(5), "the lone leader never went to join the better-ranked one"
+    asker = net.peer()
 
     async def ask() -> int:
-        reader, writer = await asker.open_stream("peer-5", lone.matchmaker.handler_name, timeout=1)  # type: ignore[union-attr]
-        await write_frame(writer, _join_request(asker), timeout=1)
+        reader, writer = await asker.open_stream(lone.transport.peer_id, lone.matchmaker.handler_name, timeout=1)  # type: ignore[union-attr]
+        await write_frame(writer, join_request(asker), timeout=1)
         reply, _ = await read_frame(reader, pb.JoinReply, max_payload=0, timeout=1)
         return reply.status
 
@@ -231,16 +212,14 @@ def test_a_peer_that_goes_to_join_another_leader_stops_admitting_members(net: Fa
     found.cancel()
 
 
-def _peers_named(net: FakeNetwork, names: list[str], *, quorum: int) -> list[Averager]:
-    out = []
-    for name in names:
-        transport = net.peer(name)
-        averager = Averager(transport, RoundConfig(quorum=quorum, **FAST), MODEL)
-        averager.start()
-        averager.set_state(0, H0)
-        _ready(transport)
-        out.append(averager)
-    return out
+def _matchmaker(net: FakeNetwork) -> tuple[Matchmaker, str]:
+    transport = net.peer()
+    announce(transport)
+    averager = averager_for(transport, quorum=2)
+    mm = Matchmaker(transport, RoundConfig(quorum=2, **FAST), MODEL, chain=averager.chain,  # type: ignore[arg-type]
+                    gate=Gate(transport.run_id, None), credentials=transport.credentials, data_plane=None,
+                    dial_data_plane=False)
+    return mm, transport.peer_id
 
 
 class _SlowReplyWriter:
@@ -264,10 +243,8 @@ class _SlowReplyWriter:
 def test_group_closing_while_the_accept_is_in_flight_still_counts_the_member(net: FakeNetwork) -> None:
     """Admission, then the ACCEPTED reply is in flight, then the group closes: the member must be in the group and
     get GroupClosed (before, it was registered only after the reply and waited out the round)."""
-    transport = net.peer("leader")
-    _ready(transport)
-    mm = Matchmaker(transport, RoundConfig(quorum=2, **FAST), MODEL, data_plane=None, dial_data_plane=False)
-    request = _join_request(transport)
+    mm, leader_id = _matchmaker(net)
+    request = join_request(net.peer())
 
     async def race() -> tuple[Group, bytes, bool]:
         mm.set_state(0, H0)
@@ -277,7 +254,7 @@ def test_group_closing_while_the_accept_is_in_flight_still_counts_the_member(net
         writer = _SlowReplyWriter()
         handler = asyncio.ensure_future(mm._handle_join("member", reader, writer))  # type: ignore[arg-type]
         await asyncio.sleep(0.05)  # admitted; the reply is in flight
-        group_task = asyncio.ensure_future(mm._close(collect))
+        group_task = asyncio.ensure_future(mm._close(collect, 2))
         await asyncio.sleep(0.05)
         writer.release.set()
         group = await group_task
@@ -286,7 +263,7 @@ def test_group_closing_while_the_accept_is_in_flight_still_counts_the_member(net
         return group, bytes(writer.data), writer.closed
 
     group, sent, closed = net.call(race(), timeout=10)
-    assert group.members == ["leader", "member"]
+    assert group.members == [leader_id, "member"]
     reply_reader = asyncio.StreamReader()
     reply_reader.feed_data(sent)
     reply_reader.feed_eof()
@@ -297,14 +274,13 @@ def test_group_closing_while_the_accept_is_in_flight_still_counts_the_member(net
         return reply, closed_msg
 
     reply, closed_msg = asyncio.run(parse())
-    assert reply.status == pb.JoinReply.ACCEPTED and list(closed_msg.members) == ["leader", "member"] and closed
+    assert reply.status == pb.JoinReply.ACCEPTED and list(closed_msg.members) == [leader_id, "member"] and closed
+    assert closed_msg.swarm == 2
 
 
 def test_abandoned_group_ends_a_member_stream_whose_accept_was_in_flight(net: FakeNetwork) -> None:
-    transport = net.peer("leader")
-    _ready(transport)
-    mm = Matchmaker(transport, RoundConfig(quorum=2, **FAST), MODEL, data_plane=None, dial_data_plane=False)
-    request = _join_request(transport)
+    mm, _ = _matchmaker(net)
+    request = join_request(net.peer())
 
     async def abandon() -> bool:
         mm.set_state(0, H0)
@@ -320,15 +296,6 @@ def test_abandoned_group_ends_a_member_stream_whose_accept_was_in_flight(net: Fa
         return writer.closed
 
     assert net.call(abandon(), timeout=10)
-
-
-def test_a_peer_behind_is_told_to_fetch_the_newer_state(net: FakeNetwork) -> None:
-    (averager,) = _peers(net, 1, quorum=2)
-    ahead = net.peer("ahead")
-    record = PeerRecord.announce(fingerprint="fp", config_json="{}", round=3, state_hash="3" * 64, eta=0.0)
-    ahead.update_record(**record.to_value())
-    found = averager.find_group(0, H0).result(timeout=5)
-    assert isinstance(found, Behind) and (found.round, found.donors) == (3, ["ahead"])
 
 
 class _Feed:

@@ -1,0 +1,121 @@
+"""This peer's view of the certified chain: the state it holds, and its verdicts on the states others claim.
+
+A record that names a state is only a claim. Before a peer re-syncs to a claimed state, it fetches the state's
+commit certificate from a claimant and verifies it offline (signatures, tickets, majority), and checks that the
+certificate still speaks for the swarm it sees now (`protocol.certificates.supports`). The fork choice between
+verified states is `protocol.rounds.outranks` (most certified work), the same on every peer, so two chains that
+grew apart during a partition become one again once the peers see each other.
+
+Verified certificates are cached per (round, hash), and a claimant that failed to back its claim is not asked again
+for a while, so a peer that claims a thousand states costs one refused lookup per minute, never a download.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+
+from protocol.admission import Credentials, Gate
+from protocol.certificates import Certificate, Head, supports
+from protocol.records import PeerRecord
+from protocol.rounds import Behind, Claim, active_past_genesis, better_claims
+from protocol.state_sync import fetch_certificate
+from protocol.transport import Transport
+
+logger = logging.getLogger(__name__)
+MAX_VERDICTS = 512
+MAX_CLAIMS_CHECKED = 3  # per look: the best few claims (each costs at most one small request per claimant tried)
+MAX_CLAIMANTS_ASKED = 2
+DISTRUST_S = 60.0  # a claimant that could not back its claim is not asked again for this long
+
+
+class Chain:
+    def __init__(self, transport: Transport, *, gate: Gate, credentials: Credentials, fingerprint: str, quorum: int,
+                 genesis_hash: str, control_timeout: float) -> None:
+        self.transport, self.gate, self.credentials = transport, gate, credentials
+        self.fingerprint, self.quorum, self.control_timeout = fingerprint, quorum, control_timeout
+        self.genesis_hash = genesis_hash
+        self.head = Head(0, genesis_hash)
+        self._verdicts: OrderedDict[tuple[int, str], Certificate] = OrderedDict()
+        self._distrust: dict[str, float] = {}
+
+    def set_head(self, head: Head) -> None:
+        self.head = head
+        if head.certificate is not None:
+            self._remember((head.round, head.state_hash), head.certificate)
+
+    def verify(self, certificate: Certificate) -> str:
+        """Why `certificate` proves nothing ("" when it is valid)."""
+        return certificate.problem(run_id=self.transport.run_id, gate=self.gate, quorum=self.quorum)
+
+    def known(self, records: Mapping[str, PeerRecord]) -> Behind | None:
+        """The best claim already verified (no network): for a cheap look while training."""
+        for claim in self._claims(records):
+            verdict = self._verdicts.get((claim.round, claim.state_hash))
+            behind = self._accept(claim, verdict, records)
+            if behind is not None:
+                return behind
+        return None
+
+    async def target(self, records: Mapping[str, PeerRecord]) -> Behind | None:
+        """The best verified state that outranks ours, fetching certificates of the best few claims if needed."""
+        for claim in self._claims(records)[:MAX_CLAIMS_CHECKED]:
+            key = (claim.round, claim.state_hash)
+            verdict = self._verdicts.get(key) or await self._fetch_verdict(claim)
+            behind = self._accept(claim, verdict, records)
+            if behind is not None:
+                return behind
+        return None
+
+    # --- internals ------------------------------------------------------------------------------------------------
+    def _claims(self, records: Mapping[str, PeerRecord]) -> list[Claim]:
+        h = self.head
+        return better_claims(records, round_number=h.round, state_hash=h.state_hash, work=h.work,
+                             genesis_hash=self.genesis_hash)
+
+    def _accept(self, claim: Claim, verdict: Certificate | None,
+                records: Mapping[str, PeerRecord]) -> Behind | None:
+        if not isinstance(verdict, Certificate) or verdict.statement.work != claim.work:
+            return None
+        if not supports(verdict.statement, active_past_genesis(records)):
+            logger.info("round %d %s…: its certificate speaks for %d peers, we see %d past genesis; not adopting",
+                        claim.round, claim.state_hash[:12], verdict.statement.swarm, active_past_genesis(records))
+            return None
+        donors = [p for p in claim.donors if p != self.transport.peer_id]
+        if not donors:
+            return None
+        return Behind(round=claim.round, state_hash=claim.state_hash, donors=donors, work=claim.work,
+                      certificate=verdict)
+
+    async def _fetch_verdict(self, claim: Claim) -> Certificate | None:
+        """A valid certificate for the claim from one of its claimants, or None. A claimant that cannot back it is
+        distrusted for a while; the state itself is not condemned (a liar may claim an honest state too)."""
+        now = time.monotonic()
+        self._distrust = {p: t for p, t in self._distrust.items() if t > now}
+        asked = [p for p in claim.donors if p not in self._distrust][:MAX_CLAIMANTS_ASKED]
+        key = (claim.round, claim.state_hash)
+        for peer in asked:
+            try:
+                cert = await fetch_certificate(self.transport, peer, fingerprint=self.fingerprint,
+                                               ticket=self.credentials.ticket, timeout=self.control_timeout)
+            except Exception as exc:  # noqa: BLE001 - unreachable, refused, malformed: the claim stays unbacked
+                problem = f"no certificate: {exc}"
+            else:
+                s = cert.statement
+                problem = self.verify(cert)
+                if not problem and (s.round, s.new_hash) != key:
+                    problem = f"certificate is for round {s.round} {s.new_hash[:12]}…"
+                if not problem:
+                    self._remember(key, cert)
+                    return cert
+            self._distrust[peer] = now + DISTRUST_S
+            logger.warning("not adopting round %d %s… claimed by %s: %s", claim.round, claim.state_hash[:12],
+                           peer[-8:], problem)
+        return None
+
+    def _remember(self, key: tuple[int, str], verdict: Certificate) -> None:
+        self._verdicts[key] = verdict
+        self._verdicts.move_to_end(key)
+        while len(self._verdicts) > MAX_VERDICTS:
+            self._verdicts.popitem(last=False)

@@ -1,0 +1,109 @@
+"""Helpers for round tests on the in-memory transport: peers, records, applies that can be rolled back, and one
+whole round run the way peers run it (each peer on its own thread)."""
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+from collections.abc import Callable
+
+import torch
+
+from protocol import swarmloco_wire_pb2 as pb
+from protocol.admission import Gate
+from protocol.averager import Averager, Contribution, RoundResult
+from protocol.certificates import Head
+from protocol.hooks import Hooks
+from protocol.matchmaking import Group
+from protocol.records import PROTOCOL_VERSION, PeerRecord
+from protocol.rounds import LocalModel, RoundConfig, leader_rank
+from protocol.testing.fake import FakeNetwork, FakeTransport
+
+H0 = "0" * 64  # θ_0 of the fake run
+NUMEL = 64
+MODEL = LocalModel(fingerprint="fp", config={"numel": NUMEL}, numel=NUMEL)
+FAST = dict(
+    grace_min_s=0.0, grace_max_s=0.2, round_timeout_s=5, exchange_timeout_s=1, control_timeout_s=1, codec="fp32"
+)
+
+
+def averager_for(transport: FakeTransport, *, quorum: int, hooks: Hooks | None = None,
+                 gate: Gate | None = None, **cfg: object) -> Averager:
+    settings = {**FAST, **cfg}
+    averager = Averager(transport, RoundConfig(quorum=quorum, **settings), MODEL,  # type: ignore[arg-type]
+                        credentials=transport.credentials, gate=gate or Gate(transport.run_id, None),
+                        genesis_hash=H0, hooks=hooks)
+    averager.start()
+    averager.set_state(Head(0, H0))
+    return averager
+
+
+def peers(net: FakeNetwork, n: int, *, quorum: int, hooks: dict[int, Hooks] | None = None,
+          **cfg: object) -> list[Averager]:
+    out = []
+    for i in range(n):
+        averager = averager_for(net.peer(), quorum=quorum, hooks=(hooks or {}).get(i), **cfg)
+        announce(averager.transport)  # type: ignore[arg-type]
+        out.append(averager)
+    return out
+
+
+def by_rank(averagers: list[Averager], state_hash: str = H0) -> list[Averager]:
+    """The averagers in leader order for a round starting from `state_hash` (the first one leads)."""
+    return sorted(averagers, key=lambda a: leader_rank(state_hash, a.transport.peer_id))
+
+
+def announce(transport: FakeTransport, round_number: int = 0, state_hash: str = H0, *, work: int = 0,
+             ready: bool = True, **extra: object) -> None:
+    record = PeerRecord.announce(fingerprint="fp", config_json="{}", round=round_number, state_hash=state_hash,
+                                 work=work, ready=ready)
+    transport.update_record(**{**record.to_value(), **extra})
+
+
+def join_request(transport: FakeTransport) -> pb.JoinRequest:
+    return pb.JoinRequest(protocol_version=PROTOCOL_VERSION, run_id=transport.run_id, fingerprint="fp", round=0,
+                          state_hash=H0, ticket=transport.credentials.ticket)
+
+
+def delta(i: int) -> torch.Tensor:
+    return torch.full((NUMEL,), float(i + 1))
+
+
+class Applied:
+    """An outer step that records what it was given and returns a hash of it (equal averages, equal hashes), and
+    a rollback that records that it was undone."""
+
+    def __init__(self) -> None:
+        self.calls: list[torch.Tensor] = []
+        self.rolled_back = 0
+
+    def __call__(self, average: torch.Tensor) -> str:
+        self.calls.append(average.clone())
+        return hashlib.sha256(average.numpy().tobytes()).hexdigest()
+
+    def rollback(self) -> None:
+        self.rolled_back += 1
+
+    @property
+    def holds_new_state(self) -> bool:
+        return len(self.calls) > self.rolled_back
+
+
+def run(averager: Averager, group: Group, i: int, applied: Applied, tokens: int = 100) -> RoundResult:
+    return averager.run_round(group, Contribution(delta=delta(i), tokens=tokens), apply=applied,
+                              rollback=applied.rollback)
+
+
+def whole_round(
+    averagers: list[Averager], tokens: Callable[[int], int] = lambda i: 100
+) -> tuple[list[RoundResult], list[Applied]]:
+    """Every averager finds its group and runs the round, each on its own thread, as peers do."""
+    applied = [Applied() for _ in averagers]
+
+    def one(i: int) -> RoundResult:
+        found = averagers[i].find_group(0, H0).result(timeout=10)
+        assert isinstance(found, Group), found
+        return run(averagers[i], found, i, applied[i], tokens(i))
+
+    with concurrent.futures.ThreadPoolExecutor(len(averagers)) as pool:
+        results = list(pool.map(one, range(len(averagers))))
+    return results, applied
