@@ -124,15 +124,15 @@ class Averager:
         return self.chain.head
 
     def set_state(self, head: Head) -> None:
-        """The certified state this peer now holds (thread-safe)."""
+        """The certified state this peer now holds (thread-safe; in effect when it returns)."""
         assert self.matchmaker is not None, "call start() first"
 
-        def apply() -> None:
+        async def apply() -> None:
             assert self.matchmaker is not None
             self.chain.set_head(head)
             self.matchmaker.set_state(head.round, head.state_hash)
 
-        self.transport.loop.call_soon_threadsafe(apply)
+        self.transport.call(apply(), timeout=self.cfg.control_timeout_s)
 
     def find_group(self, round_number: int, state_hash: str) -> concurrent.futures.Future[Group | Behind]:
         """Start matchmaking for round r; the future resolves to a closed Group or a Behind, or raises RoundAborted
@@ -173,7 +173,7 @@ class Averager:
         if applied and result.outcome != Outcome.COMMITTED:
             rollback()
         if result.outcome == Outcome.COMMITTED and result.certificate is not None:
-            self.chain.set_head(Head.of(result.certificate))
+            self.set_state(Head.of(result.certificate))
         result.seconds = time.monotonic() - started
         return result
 

@@ -16,6 +16,7 @@ from protocol.hooks import Hooks
 from protocol.matchmaking import Group
 from protocol.records import PROTOCOL_VERSION, PeerRecord
 from protocol.rounds import LocalModel, RoundConfig, leader_rank
+from protocol.state_sync import ServedState, StateServer
 from protocol.testing.fake import FakeNetwork, FakeTransport
 
 H0 = "0" * 64  # θ_0 of the fake run
@@ -103,6 +104,41 @@ def whole_round(
         found = averagers[i].find_group(0, H0).result(timeout=10)
         assert isinstance(found, Group), found
         return run(averagers[i], found, i, applied[i], tokens(i))
+
+    with concurrent.futures.ThreadPoolExecutor(len(averagers)) as pool:
+        results = list(pool.map(one, range(len(averagers))))
+    return results, applied
+
+
+def serve_state(averager: Averager, *, blob: bytes = b"") -> StateServer:
+    """A state server for a fake peer, serving its head (and the head's certificate), as a real peer does."""
+    t = averager.transport
+    server = StateServer(t, MODEL.fingerprint, gate=averager.gate, credentials=averager.credentials,
+                         control_timeout_s=1)
+    t.call(server.register(), timeout=5)
+    publish(averager, server, blob=blob)
+    return server
+
+
+def publish(averager: Averager, server: StateServer, *, blob: bytes = b"", ready: bool = True) -> None:
+    """Announce and serve the averager's head, as `SwarmSync.publish_state` does."""
+    head = averager.head
+    cert = head.certificate.to_bytes() if head.certificate is not None else b""
+    server.publish(ServedState(round=head.round, state_hash=head.state_hash, blob=blob, certificate=cert))
+    announce(averager.transport, head.round, head.state_hash, work=head.work, ready=ready)  # type: ignore[arg-type]
+
+
+def round_from_heads(averagers: list[Averager], *, offset: int = 0) -> tuple[list[RoundResult], list[Applied]]:
+    """One round for `averagers`, each from the head it holds (they must hold the same); peer i contributes
+    delta(i + offset), so rounds with different offsets reach different states."""
+    applied = [Applied() for _ in averagers]
+
+    def one(i: int) -> RoundResult:
+        head = averagers[i].head
+        averagers[i].transport.update_record(ready=True)  # done with its budget, as SwarmSync marks itself
+        found = averagers[i].find_group(head.round, head.state_hash).result(timeout=10)
+        assert isinstance(found, Group), found
+        return run(averagers[i], found, i + offset, applied[i])
 
     with concurrent.futures.ThreadPoolExecutor(len(averagers)) as pool:
         results = list(pool.map(one, range(len(averagers))))

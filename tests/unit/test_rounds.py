@@ -13,44 +13,71 @@ from protocol.rounds import (
     Deadlines,
     LocalModel,
     RoundConfig,
+    active_count,
+    active_past_genesis,
+    better_claims,
     check_contribution,
-    choose_target,
     compatible,
     grace_over,
     group_forming,
+    leader_rank,
+    outranks,
     pick_leader,
     token_weights,
     weighted_average,
 )
 
 
-def test_choose_target_prefers_highest_round_then_majority_hash() -> None:
-    me = "me"
-    assert choose_target({}, me, 3, H1) is None
-    assert choose_target({"a": rec(round=3, state_hash=H1)}, me, 3, H1) is None
-    behind = choose_target({"a": rec(round=5, state_hash=H2), "b": rec(round=4)}, me, 3, H1)
-    assert behind is not None and (behind.round, behind.state_hash, behind.donors) == (5, H2, ["a"])
-    # same round, we are the minority hash: re-sync to the majority
-    split = choose_target({"a": rec(state_hash=H2), "b": rec(state_hash=H2)}, me, 3, H1)
-    assert split is not None and split.state_hash == H2 and sorted(split.donors) == ["a", "b"]
-    # tie at the same round: every peer picks the smallest hash, so exactly one side re-syncs
-    assert choose_target({"a": rec(state_hash=H2)}, me, 3, H1) is None
-    tie = choose_target({"a": rec(state_hash=H1)}, me, 3, H2)
-    assert tie is not None and tie.state_hash == H1
+def test_better_claims_rank_by_certified_work_then_round_then_hash() -> None:
+    g = "9" * 64  # θ_0
+    mine = dict(round_number=3, state_hash=H1, work=300, genesis_hash=g)
+    assert better_claims({}, **mine) == []
+    assert better_claims({"a": rec(round=3, state_hash=H1, work=300)}, **mine) == []  # our own state
+    claims = better_claims({"a": rec(round=5, state_hash=H2, work=500), "b": rec(round=4, work=400),
+                            "c": rec(round=5, state_hash=H2, work=500)}, **mine)
+    assert [(c.round, c.state_hash, c.donors) for c in claims] == [(5, H2, ("a", "c")), (4, H1, ("b",))]
+    # more certified work beats a higher round number (a chain of many tiny rounds does not win a fork)
+    forked = better_claims({"a": rec(round=9, state_hash=H2, work=350), "b": rec(round=4, work=600)}, **mine)
+    assert [c.round for c in forked] == [4, 9]
+    # same work and round: the smaller hash wins on every peer, so exactly one side of a tie moves
+    assert better_claims({"a": rec(round=3, state_hash=H2, work=300)}, **mine) == []
+    assert [c.state_hash for c in better_claims({"a": rec(round=3, state_hash=H1, work=300)},
+                                                 **{**mine, "state_hash": H2})] == [H1]
+    # θ_0 is computed, never fetched: a round-0 record with another hash is no claim at all
+    at_genesis = dict(round_number=0, state_hash=g, work=0, genesis_hash=g)
+    assert better_claims({"a": rec(round=0, state_hash=H2)}, **at_genesis) == []
 
 
-def test_pick_leader_orders_leaders_the_same_everywhere() -> None:
-    ready = {"b": rec(ready=True), "c": rec(ready=True)}
-    assert pick_leader("a", 0, ready, quorum=4) == "a"  # nobody leads yet: smallest id
-    assert pick_leader("d", 0, ready, quorum=4) == "b"
-    assert pick_leader("a", 0, {"c": rec(ready=True, leading=1)}, quorum=4) == "c"  # most members wins over id
-    # a split: we lead 1 member, "b" leads 1 with a smaller id -> we merge into "b"; "b" sees us and stays
-    assert pick_leader("c", 1, {"b": rec(ready=True, leading=1)}, quorum=4) == "b"
-    assert pick_leader("b", 1, {"c": rec(ready=True, leading=1)}, quorum=4) == "b"
-    assert pick_leader("a", 1, {"c": rec(ready=True, leading=2)}, quorum=4) == "c"  # the bigger group wins
-    assert pick_leader("c", 2, {"a": rec(ready=True, leading=1)}, quorum=4) == "c"
-    # a group that has reached quorum is about to close: it never merges away
-    assert pick_leader("c", 1, {"b": rec(ready=True, leading=3)}, quorum=2) == "c"
+def test_outranks_is_a_strict_total_order() -> None:
+    keys = [(0, 0, H1), (5, 1, H2), (5, 1, H1), (5, 2, H2), (7, 0, H1)]
+    for x in keys:
+        assert not outranks(x, x)
+        for y in keys:
+            if x != y:
+                assert outranks(x, y) != outranks(y, x)
+
+
+def test_pick_leader_follows_a_rank_no_peer_controls() -> None:
+    peers = [f"peer-{i}" for i in range(8)]
+    order = sorted(peers, key=lambda p: leader_rank(H1, p))
+    # every peer picks the same leader, whoever it is and whatever the others claim to be leading
+    assert {pick_leader(me, 0, [p for p in peers if p != me], needed=4, state_hash=H1) for me in peers} == {order[0]}
+    # the order changes with the state: nobody is leader of every round
+    assert len({min(peers, key=lambda p: leader_rank(h, p)) for h in ("1" * 64, "2" * 64, "3" * 64, "4" * 64,
+                                                                       "5" * 64, "6" * 64)}) > 1
+    # a split: a worse-ranked leader below the size it needs merges into the better one, which stays
+    best, worse = order[0], order[1]
+    assert pick_leader(worse, 1, [best], needed=4, state_hash=H1) == best
+    assert pick_leader(best, 1, [worse], needed=4, state_hash=H1) == best
+    # a group that has reached its size is about to close: it never merges away
+    assert pick_leader(worse, 1, [best], needed=2, state_hash=H1) == worse
+
+
+def test_active_counts_the_swarm_a_group_must_be_a_majority_of() -> None:
+    records = {"a": rec(round=5), "b": rec(round=4), "c": rec(round=1), "d": rec(round=0)}
+    assert active_count(records, 5) == 3  # us, a, and b (one round behind: catching up); not the joiners
+    assert active_count(records, 0) == 5  # at θ_0 everyone is at the start
+    assert active_past_genesis(records) == 4
 
 
 def test_compatible_and_group_forming() -> None:

@@ -1,0 +1,207 @@
+"""Certified rounds on the in-memory transport: one result per round, leaders nobody picks, re-syncs only to
+certified states, forged certificates refused, and a partition whose two chains become one when it heals."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from _fake_rounds import (
+    H0,
+    Applied,
+    announce,
+    averager_for,
+    by_rank,
+    peers,
+    publish,
+    round_from_heads,
+    run,
+    serve_state,
+)
+
+from protocol.admission import Gate, Ticket
+from protocol.averager import Averager
+from protocol.certificates import Certificate, Head, Statement
+from protocol.identity import Identity
+from protocol.matchmaking import Group, RoundAborted
+from protocol.rounds import Behind, Outcome
+from protocol.state_sync import ServedState
+from protocol.testing.fake import FakeNetwork, FakeTransport
+
+pytestmark = pytest.mark.timeout(60)
+AUTHORITY = Identity(path=Path("<memory>"), private_key=Identity.generate())
+
+
+@pytest.fixture
+def net() -> Iterator[FakeNetwork]:
+    with FakeNetwork() as n:
+        yield n
+
+
+def _admitted(net: FakeNetwork, n: int, *, quorum: int) -> list[Averager]:
+    """Peers of a permissioned run: each holds a ticket from AUTHORITY and checks everyone else's."""
+    out = []
+    for _ in range(n):
+        transport = _ticketed(net.peer())
+        averager = averager_for(transport, quorum=quorum, gate=Gate(transport.run_id, AUTHORITY.peer_id))
+        announce(transport)
+        out.append(averager)
+    return out
+
+
+def _ticketed(transport: FakeTransport) -> FakeTransport:
+    ticket = Ticket.issue(AUTHORITY, run_id=transport.run_id, peer_id=transport.peer_id)
+    transport.credentials.ticket = ticket.to_bytes()
+    return transport
+
+
+def test_four_peers_at_quorum_two_commit_round_one_once(net: FakeNetwork) -> None:
+    """Before, two pairs could each commit round 1 with different hashes and one pair's work was thrown away.
+    A certificate needs a majority of the active swarm (3 of 4), so round 1 has one result."""
+    averagers = peers(net, 4, quorum=2)
+    futures = [a.find_group(0, H0) for a in averagers]
+    groups = []
+    for f in futures:
+        try:
+            groups.append(f.result(timeout=10))
+        except RoundAborted:
+            groups.append(None)
+    applied = [Applied() for _ in averagers]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        runs = [pool.submit(run, a, g, i, applied[i]) for i, (a, g) in enumerate(zip(averagers, groups, strict=True))
+                if isinstance(g, Group)]
+        results = [r.result(timeout=20) for r in runs]
+    committed = [r for r in results if r.outcome == Outcome.COMMITTED]
+    assert len(committed) >= 3
+    assert len({r.certificate.statement for r in committed if r.certificate is not None}) == 1
+    assert len(committed[0].certificate.signatures) >= 3  # type: ignore[union-attr]
+
+
+def test_a_peer_claiming_leadership_is_not_followed(net: FakeNetwork) -> None:
+    """A ready peer whose record says it leads 9999 members used to become every round's leader. The order is a
+    hash of the state with the peer id: an attacker that ranks behind the honest peers is never asked."""
+    honest = peers(net, 3, quorum=3)
+    claimer = net.peer()
+    while by_rank([*honest, averager_for(claimer, quorum=3)])[-1].transport is not claimer:
+        claimer = net.peer()  # ranked behind every honest peer: by the rank alone, nobody ever asks it
+    asked: list[str] = []
+
+    async def lure(caller: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        asked.append(caller)
+
+    net.call(claimer.add_handler(honest[0].matchmaker.handler_name, lure), timeout=5)  # type: ignore[union-attr]
+    announce(claimer, leading=9999)
+    results, _ = _round_of(honest)
+    best = by_rank(honest)[0].transport.peer_id
+    assert [r.outcome for r in results] == [Outcome.COMMITTED] * 3 and {r.leader for r in results} == {best}
+    assert not asked
+
+
+def _round_of(averagers: list[Averager], offset: int = 0) -> tuple[list, list[Applied]]:  # type: ignore[type-arg]
+    return round_from_heads(averagers, offset=offset)
+
+
+def test_a_peer_behind_adopts_the_certified_state_of_the_swarm(net: FakeNetwork) -> None:
+    swarm = _admitted(net, 3, quorum=3)
+    servers = [serve_state(a) for a in swarm]
+    results, _ = _round_of(swarm)
+    assert all(r.outcome == Outcome.COMMITTED for r in results)
+    for a, s in zip(swarm, servers, strict=True):
+        publish(a, s, ready=False)
+    (joiner,) = _admitted(net, 1, quorum=2)
+    found = joiner.find_group(0, H0).result(timeout=10)
+    assert isinstance(found, Behind), found
+    assert (found.round, found.state_hash) == (1, results[0].state_hash)
+    assert found.certificate is not None and found.certificate.statement == results[0].certificate.statement  # type: ignore[union-attr]
+    assert sorted(found.donors) == sorted(a.transport.peer_id for a in swarm)
+
+
+def _forge(attacker: FakeTransport, *, signers: list[Identity], swarm: int, run_id: str) -> Certificate:
+    members = tuple(sorted(s.peer_id for s in signers))
+    statement = Statement(run_id=run_id, round=1001, prev_hash="e" * 64, new_hash="f" * 64, members=members,
+                          weights=tuple(10**9 for _ in members), swarm=swarm, work=10**12)
+    tickets = {attacker.peer_id: attacker.credentials.ticket.decode()}
+    return Certificate(statement, {s.peer_id: Certificate.sign(s, statement) for s in signers}, tickets)
+
+
+@pytest.mark.parametrize("forgery", ["no certificate", "self-signed", "sybil co-signer", "altered"])
+def test_round_inflation_is_not_followed(net: FakeNetwork, forgery: str) -> None:
+    """An admitted peer says it holds round 1001 with enormous work, and serves a state for it. Honest peers never
+    treat it as the swarm's state: they keep averaging among themselves from θ_0."""
+    honest = _admitted(net, 3, quorum=2)
+    attacker = _ticketed(net.peer())
+    me = attacker.credentials.identity
+    sybil = Identity(path=Path("<memory>"), private_key=Identity.generate())  # a key the authority never admitted
+    cert = {
+        "no certificate": None,
+        "self-signed": _forge(attacker, signers=[me], swarm=1, run_id=attacker.run_id),
+        "sybil co-signer": _forge(attacker, signers=[me, sybil], swarm=2, run_id=attacker.run_id),
+        "altered": None,
+    }[forgery]
+    if forgery == "altered":  # a genuine-looking certificate whose statement was changed after signing
+        signed = _forge(attacker, signers=[me], swarm=1, run_id=attacker.run_id)
+        other = Statement(**{**signed.statement.__dict__, "new_hash": "d" * 64})
+        cert = Certificate(other, signed.signatures, signed.tickets)
+    bad = averager_for(attacker, quorum=2, gate=Gate(attacker.run_id, AUTHORITY.peer_id))
+    server = serve_state(bad)
+    head_hash = cert.statement.new_hash if cert is not None else "f" * 64
+    server.publish(ServedState(round=1001, state_hash=head_hash, blob=b"\x00" * 64,
+                               certificate=cert.to_bytes() if cert is not None else b""))
+    announce(attacker, 1001, head_hash, work=10**12, ready=False)
+    results, _ = _round_of(honest)
+    assert [r.outcome for r in results] == [Outcome.COMMITTED] * 3
+    assert all(a.head.round == 1 and a.head.certificate is not None for a in honest)
+    assert all(a.chain.known({attacker.peer_id: _record_of(attacker)}) is None for a in honest)
+
+
+def _record_of(transport: FakeTransport):  # type: ignore[no-untyped-def]
+    return transport.net.records[transport.peer_id]
+
+
+def test_two_certified_chains_of_a_partition_become_one_when_it_heals(net: FakeNetwork) -> None:
+    """A 2+2 partition: each side sees a swarm of two and certifies its own rounds. Once the halves see each other,
+    every peer applies the same fork choice (more certified work wins): the lighter side re-syncs to the heavier
+    chain and the heavier side stays."""
+    averagers = _admitted(net, 4, quorum=2)
+    servers = [serve_state(a) for a in averagers]
+    ids = [a.transport.peer_id for a in averagers]
+    heavy, light = averagers[:2], averagers[2:]
+    net.partition(set(ids[:2]), set(ids[2:]))
+    for side, rounds in ((heavy, 2), (light, 1)):
+        for n in range(rounds):
+            results, _ = _round_of(side, offset=10 * n + (20 if side is light else 0))
+            assert [r.outcome for r in results] == [Outcome.COMMITTED] * 2, results
+            for a in side:
+                publish(a, servers[averagers.index(a)], ready=False)
+    assert heavy[0].head.work > light[0].head.work and heavy[0].head.state_hash != light[0].head.state_hash
+    net.heal()
+    for a in light:
+        target = a.transport.call(a.chain.target(_records_seen_by(a)), timeout=10)
+        assert isinstance(target, Behind) and (target.round, target.state_hash) == (2, heavy[0].head.state_hash)
+        assert sorted(target.donors) == sorted(ids[:2])
+    for a in heavy:
+        assert a.transport.call(a.chain.target(_records_seen_by(a)), timeout=10) is None
+
+
+def _records_seen_by(a: Averager):  # type: ignore[no-untyped-def]
+    return a.transport.call(a.transport.fetch_records(timeout=1), timeout=5)
+
+
+def test_a_leader_that_understates_the_swarm_is_not_followed(net: FakeNetwork) -> None:
+    """A group must be a majority of the swarm its members see; a member that sees more active peers than the
+    leader claims does not take part (else two such groups could both certify a round)."""
+    averagers = by_rank(peers(net, 2, quorum=2))
+    extra = [net.peer() for _ in range(3)]
+    member = averagers[1]
+    net.partition({averagers[0].transport.peer_id, member.transport.peer_id},
+                  {member.transport.peer_id, *(t.peer_id for t in extra), averagers[0].transport.peer_id})
+    net.visible[averagers[0].transport.peer_id] = {member.transport.peer_id}  # the leader sees a swarm of 2
+    for t in extra:
+        announce(t, ready=False)  # the member sees 5 active peers: 2 is no majority of them
+    lead = averagers[0].find_group(0, H0)
+    with pytest.raises(RoundAborted):
+        member.find_group(0, H0).result(timeout=10)
+    lead.cancel()
+    assert member.head == Head(0, H0)

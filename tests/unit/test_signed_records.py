@@ -1,0 +1,94 @@
+"""Signed DHT records: what every DHT node of the run stores, and what every reader accepts."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils import MSGPackSerializer, get_dht_time
+
+from protocol.admission import Gate, Revocations, Ticket
+from protocol.identity import Identity
+from protocol.records import PeerRecord, peers_key, revocations_key
+from protocol.signed_records import MAX_RECORD_TTL_S, RecordError, RunValidator, key_id, open_record, seal
+
+RUN = "run-1"
+AUTHORITY = Identity(path=Path("<memory>"), private_key=Identity.generate())
+VICTIM = Identity(path=Path("<memory>"), private_key=Identity.generate())
+ATTACKER = Identity(path=Path("<memory>"), private_key=Identity.generate())
+
+
+def _ticket(who: Identity) -> str:
+    return Ticket.issue(AUTHORITY, run_id=RUN, peer_id=who.peer_id).to_bytes().decode()
+
+
+def _record(**changes: object) -> PeerRecord:
+    base = PeerRecord.announce(fingerprint="fp", config_json="{}", round=3, state_hash="a" * 64, work=30)
+    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
+
+
+def _dht_record(subkey: str, envelope: dict[str, object], expiration: float) -> DHTRecord:
+    return DHTRecord(key_id(peers_key(RUN)), MSGPackSerializer.dumps(subkey), MSGPackSerializer.dumps(envelope),
+                     expiration)
+
+
+def test_a_peers_own_signed_record_is_stored_and_read() -> None:
+    expires = get_dht_time() + 20
+    record = _record()
+    envelope = seal(VICTIM, RUN, record, _ticket(VICTIM), expires)
+    validator = RunValidator(RUN, AUTHORITY.peer_id)
+    assert validator.validate(_dht_record(VICTIM.peer_id, envelope, expires))
+    read = open_record(envelope, run_id=RUN, subkey=VICTIM.peer_id, gate=Gate(RUN, AUTHORITY.peer_id),
+                       expiration=expires)
+    assert read == record
+
+
+def test_record_overwrite_under_another_peers_subkey_is_refused() -> None:
+    """The attack: store a forged round under the victim's subkey with a long life. Every DHT node of the run
+    refuses it, and a reader that got it from a node that does not validate refuses it too."""
+    validator = RunValidator(RUN, AUTHORITY.peer_id)
+    gate = Gate(RUN, AUTHORITY.peer_id)
+    expires = get_dht_time() + 20
+    forged = seal(ATTACKER, RUN, _record(round=1001, work=10**9), _ticket(ATTACKER), expires)
+    assert not validator.validate(_dht_record(VICTIM.peer_id, forged, expires))
+    with pytest.raises(RecordError, match="not signed by the peer"):
+        open_record(forged, run_id=RUN, subkey=VICTIM.peer_id, gate=gate)
+    # a genuine record of the victim, replayed with a longer life or altered, is refused as well
+    genuine = seal(VICTIM, RUN, _record(), _ticket(VICTIM), expires)
+    assert not validator.validate(_dht_record(VICTIM.peer_id, genuine, expires + 3000))
+    altered = {**genuine, "record": {**genuine["record"], "round": 1001}}
+    assert not validator.validate(_dht_record(VICTIM.peer_id, altered, expires))
+    # a validly signed record that asks to live an hour is refused: a silent peer drops out within minutes
+    far = get_dht_time() + 3600
+    assert not validator.validate(_dht_record(VICTIM.peer_id, seal(VICTIM, RUN, _record(), _ticket(VICTIM), far), far))
+    assert MAX_RECORD_TTL_S < 3600
+
+
+def test_records_without_a_valid_ticket_are_refused_unless_the_swarm_is_private() -> None:
+    expires = get_dht_time() + 20
+    stranger = seal(ATTACKER, RUN, _record(), "", expires)
+    assert not RunValidator(RUN, AUTHORITY.peer_id).validate(_dht_record(ATTACKER.peer_id, stranger, expires))
+    assert RunValidator(RUN, None).validate(_dht_record(ATTACKER.peer_id, stranger, expires))
+    revoked = Gate(RUN, AUTHORITY.peer_id)
+    revoked.update_revocations(Revocations.issue(AUTHORITY, run_id=RUN, serial=1, peer_ids=[VICTIM.peer_id]).to_value())
+    with pytest.raises(RecordError, match="revoked"):
+        open_record(seal(VICTIM, RUN, _record(), _ticket(VICTIM), expires), run_id=RUN, subkey=VICTIM.peer_id,
+                    gate=revoked)
+
+
+def test_only_the_authority_publishes_revocations_and_nothing_else_is_stored() -> None:
+    validator = RunValidator(RUN, AUTHORITY.peer_id)
+    expires = get_dht_time() + 60
+    value = Revocations.issue(AUTHORITY, run_id=RUN, serial=1, peer_ids=[VICTIM.peer_id]).to_value()
+
+    def rec(key: str, subkey: str, v: object) -> DHTRecord:
+        return DHTRecord(key_id(key), MSGPackSerializer.dumps(subkey), MSGPackSerializer.dumps(v), expires)
+
+    assert validator.validate(rec(revocations_key(RUN), AUTHORITY.peer_id, value))
+    fake = Revocations.issue(ATTACKER, run_id=RUN, serial=2, peer_ids=[]).to_value()
+    assert not validator.validate(rec(revocations_key(RUN), ATTACKER.peer_id, fake))
+    posing = {**fake, "authority": AUTHORITY.peer_id}
+    assert not validator.validate(rec(revocations_key(RUN), AUTHORITY.peer_id, posing))
+    assert not validator.validate(rec("some/other/key", ATTACKER.peer_id, {"x": 1}))
+    assert not validator.validate(DHTRecord(key_id(peers_key(RUN)), b"\xc1", b"\xc1", expires))
