@@ -1,7 +1,9 @@
 """HTTP layer of the coordinator: FastAPI routes over :class:`CoordinatorService`.
 
 JSON API under ``/api`` (OpenAPI schema at ``/openapi.json``, docs at ``/docs``), ``/healthz``, Prometheus text at
-``/metrics`` and the dashboard (static files) at ``/``. Bad input gets a 4xx with an ``error`` message; an unexpected
+``/metrics`` and the dashboard (static files) at ``/``. The run's authority answers ``GET /api/authority``,
+``POST /api/tickets`` (a request signed by the peer, see :mod:`protocol.ticket_request`) and
+``GET /api/revocations`` (the signed list). Bad input gets a 4xx with an ``error`` message; an unexpected
 server-side failure answers 503 (retryable) rather than 500.
 """
 
@@ -18,6 +20,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
 from coordinator.service import CoordinatorService
+from protocol.ticket_request import MAX_REQUEST_BYTES
 
 __all__ = ["create_app"]
 
@@ -65,7 +68,7 @@ def create_app(service: CoordinatorService) -> FastAPI:
         return _error(503, f"coordinator error ({type(exc).__name__}); retry later")
 
     @app.post("/api/reports", summary="Submit one signed report (see protocol/reports.py for the schema)",
-              responses={400: {}, 401: {}, 409: {}, 413: {}, 422: {}, 429: {}})
+              responses={400: {}, 401: {}, 403: {}, 409: {}, 413: {}, 422: {}, 429: {}})
     async def post_report(request: Request) -> JSONResponse:
         raw = await _read_capped(request, service.config.max_report_bytes)
         if raw is None:
@@ -74,6 +77,26 @@ def create_app(service: CoordinatorService) -> FastAPI:
         # SQLite fsync must not stall the event loop
         answer = await run_in_threadpool(service.ingest, raw, client=client)
         return JSONResponse(status_code=answer.status, content=answer.body)
+
+    @app.get("/api/authority", summary="The run's authority: its peer id, which signs tickets, and the admission "
+                                       "policy")
+    def get_authority() -> dict[str, Any]:
+        return service.authority.info()
+
+    @app.post("/api/tickets", summary="Request an admission ticket with a request signed by the peer's key (see "
+                                      "protocol/ticket_request.py)",
+              responses={400: {}, 401: {}, 403: {}, 409: {}, 413: {}, 422: {}, 429: {}})
+    async def post_ticket(request: Request) -> JSONResponse:
+        raw = await _read_capped(request, MAX_REQUEST_BYTES)
+        if raw is None:
+            return _error(413, f"ticket request larger than {MAX_REQUEST_BYTES} bytes")
+        client = request.client.host if request.client else "?"
+        answer = await run_in_threadpool(service.request_ticket, raw, client=client)
+        return JSONResponse(status_code=answer.status, content=answer.body)
+
+    @app.get("/api/revocations", summary="Peers revoked by the authority, as a list it signed (newest serial wins)")
+    def get_revocations() -> dict[str, Any]:
+        return service.authority.revocations()
 
     @app.get("/api/runs", summary="Runs recorded by this coordinator")
     def get_runs(limit: Limit = 100, cursor: Cursor = None, order: Order = "asc") -> dict[str, Any]:

@@ -6,6 +6,10 @@ Subprocess use (local swarm launcher, tests)::
 
 The ready file appears (atomically) once the server accepts connections; see :mod:`coordinator.server` for its
 JSON fields (``url``, ``port``, ``dht_maddrs``, ``join_command``, ...). SIGINT/SIGTERM stop it cleanly.
+
+Who may join: ``--admission open|invite|allowlist|none`` (with ``--invite-code``/``--invite-file`` or
+``--allowlist``) and ``--ticket-lifetime``. ``swarmloco coordinator revoke --db DB PEER_ID [--reason TEXT]`` and
+``unrevoke`` change the revocation list, also while the server runs (same database file).
 """
 
 from __future__ import annotations
@@ -18,11 +22,19 @@ from typing import Any
 
 import requests
 
+from coordinator.authority import AuthorityConfig
+from coordinator.revocation_cli import add_revocation_commands, run_revocation
 from coordinator.server import CoordinatorConfig, CoordinatorServer
 from coordinator.service import ServiceConfig
 from coordinator.store import StoreError
+from protocol.admission import POLICIES, AdmissionPolicy, load_allowlist
 
-__all__ = ["add_coordinator_arguments", "add_status_arguments", "run_coordinator", "run_status"]
+__all__ = ["add_coordinator_arguments", "add_status_arguments", "admission_policy", "run_coordinator", "run_status"]
+
+logger = logging.getLogger(__name__)
+
+MAX_INVITE_FILE_BYTES = 1024 * 1024
+MAX_INVITE_CODE_CHARS = 256  # protocol.ticket_request.MAX_INVITE_CHARS: a longer code could never be presented
 
 
 def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,15 +60,60 @@ def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a peer seen within this many seconds counts as online")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="logging verbosity")
+    parser.add_argument("--admission", default="open", choices=POLICIES,
+                        help="who gets a ticket: open (anyone, rate-limited), invite (with an invite code), allowlist "
+                             "(listed peer ids), none (no tickets: a private swarm where anyone who can reach the "
+                             "peers takes part)")
+    parser.add_argument("--invite-code", action="append", default=[], metavar="CODE",
+                        help="an invite code accepted by --admission invite (repeatable)")
+    parser.add_argument("--invite-file", type=Path, default=None, metavar="FILE",
+                        help="invite codes for --admission invite, one per line")
+    parser.add_argument("--allowlist", type=Path, default=None, metavar="FILE",
+                        help="peer ids for --admission allowlist, one per line ('#' starts a comment)")
+    parser.add_argument("--ticket-lifetime", type=float, default=3600.0, metavar="SECONDS",
+                        help="how long a ticket is valid; peers renew at half of it")
+    add_revocation_commands(parser)
+
+
+def _invite_codes(args: argparse.Namespace) -> frozenset[str]:
+    codes = [c.strip() for c in args.invite_code]
+    if args.invite_file is not None:
+        with open(args.invite_file, "rb") as f:
+            blob = f.read(MAX_INVITE_FILE_BYTES + 1)
+        if len(blob) > MAX_INVITE_FILE_BYTES:
+            raise ValueError(f"--invite-file {args.invite_file} is larger than {MAX_INVITE_FILE_BYTES} bytes")
+        codes += [line.strip() for line in blob.decode("utf-8", errors="strict").splitlines()]
+    codes = [c for c in codes if c]
+    long = [c for c in codes if len(c) > MAX_INVITE_CODE_CHARS]
+    if long:
+        raise ValueError(f"invite codes must be at most {MAX_INVITE_CODE_CHARS} chars; one has {len(long[0])}")
+    return frozenset(codes)
+
+
+def admission_policy(args: argparse.Namespace) -> AdmissionPolicy:
+    """The policy the admission flags describe; raises ValueError (AdmissionError) for a bad combination."""
+    codes = _invite_codes(args)
+    if (args.invite_code or args.invite_file is not None) and args.admission != "invite":
+        raise ValueError(f"--invite-code/--invite-file need --admission invite (got --admission {args.admission})")
+    if args.allowlist is not None and args.admission != "allowlist":
+        raise ValueError(f"--allowlist needs --admission allowlist (got --admission {args.admission})")
+    if args.admission == "invite" and args.invite_file is not None and not codes:
+        raise ValueError(f"--invite-file {args.invite_file} holds no invite code")
+    allowlist = load_allowlist(args.allowlist) if args.allowlist is not None else frozenset()
+    return AdmissionPolicy(mode=args.admission, invite_codes=codes, allowlist=allowlist,
+                           ticket_s=args.ticket_lifetime)
 
 
 def run_coordinator(args: argparse.Namespace) -> int:
-    """Start the coordinator in the foreground; returns the process exit code."""
+    """Start the coordinator in the foreground (or run a revocation command); returns the process exit code."""
     logging.basicConfig(level=getattr(logging, args.log_level, logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if getattr(args, "coordinator_action", None):
+        return run_revocation(args)
     try:
+        policy = admission_policy(args)
         service = ServiceConfig(run_id=args.run_id, max_past_s=args.max_past_s, max_future_s=args.max_future_s,
-                                online_window_s=args.online_window_s)
+                                online_window_s=args.online_window_s, authority=AuthorityConfig(policy=policy))
         config = CoordinatorConfig(db=args.db, host=args.host, port=args.port, dht=not args.no_dht,
                                    dht_host=args.dht_host, dht_port=args.dht_port, identity_path=args.identity,
                                    ready_file=args.ready_file, service=service)
@@ -64,11 +121,15 @@ def run_coordinator(args: argparse.Namespace) -> int:
     except (ValueError, StoreError, OSError) as e:
         print(f"swarmloco coordinator: {e}", file=sys.stderr)
         return 2
+    if policy.mode == "none":
+        logger.warning("admission none: this coordinator issues no tickets; private swarm: anyone who can reach the "
+                       "peers takes part")
     if config.dht:
         server.start_dht()
     info = server.info()
     print(f"coordinator  {info['url']}   (dashboard: {info['url']}/   API docs: {info['url']}/docs)")
     print(f"database     {info['db']}")
+    print(f"authority    {info['authority']}   (admission: {info['admission']})")
     for maddr in info["dht_maddrs"]:
         print(f"DHT node     {maddr}")
     print(f"join with:   {info['join_command']}", flush=True)

@@ -83,4 +83,41 @@ CREATE INDEX round_reports_round ON round_reports(round_id);
 CREATE INDEX round_reports_peer ON round_reports(peer_id, round_id);
 """
 
-MIGRATIONS: tuple[str, ...] = (_V1,)
+# The coordinator as the run's authority: the tickets it issued, the peers it revoked (with an event log whose id is
+# the revocation list's serial), rounds credited only with a commit certificate, and per-peer storage accounting.
+_V2 = """
+CREATE TABLE tickets (
+    id            INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id        TEXT NOT NULL,
+    peer_id       TEXT NOT NULL,
+    role          TEXT NOT NULL,
+    issued_at     REAL NOT NULL,
+    expires_at    REAL NOT NULL,
+    nonce         TEXT NOT NULL,
+    request_hash  TEXT NOT NULL,
+    client        TEXT NOT NULL,
+    ticket        TEXT NOT NULL,
+    UNIQUE (peer_id, nonce)
+);
+CREATE INDEX tickets_run_peer ON tickets(run_id, peer_id, expires_at);
+CREATE INDEX tickets_expiry ON tickets(expires_at);
+CREATE TABLE revoked (
+    peer_id     TEXT PRIMARY KEY,
+    reason      TEXT NOT NULL,
+    revoked_at  REAL NOT NULL
+);
+CREATE TABLE revocation_events (
+    id       INTEGER PRIMARY KEY AUTOINCREMENT,
+    peer_id  TEXT NOT NULL,
+    action   TEXT NOT NULL CHECK (action IN ('revoke', 'unrevoke')),
+    reason   TEXT NOT NULL,
+    at       REAL NOT NULL
+);
+ALTER TABLE rounds ADD COLUMN certificate TEXT;
+ALTER TABLE peers ADD COLUMN stored_reports INTEGER NOT NULL DEFAULT 0;
+CREATE INDEX reports_run_peer ON reports(run_id, peer_id, id);
+UPDATE peers SET stored_reports = (SELECT COUNT(*) FROM reports r WHERE r.run_id = peers.run_id
+                                   AND r.peer_id = peers.peer_id);
+"""
+
+MIGRATIONS: tuple[str, ...] = (_V1, _V2)

@@ -6,8 +6,14 @@ thread (:meth:`start`/:meth:`stop`, used by tests). When ``ready_file`` is set, 
 atomically once the server accepts connections::
 
     {"url": "http://127.0.0.1:41234", "host": "127.0.0.1", "port": 41234, "run_id": "default",
-     "db": "/abs/runs.sqlite", "pid": 1234, "dht_peer_id": "12D3KooW..." | null,
-     "dht_maddrs": ["/ip4/127.0.0.1/tcp/38211/p2p/12D3KooW..."], "join_command": "swarmloco peer ..."}
+     "db": "/abs/runs.sqlite", "pid": 1234, "authority": "12D3KooW...", "admission": "open",
+     "dht_peer_id": "12D3KooW..." | null, "dht_maddrs": ["/ip4/127.0.0.1/tcp/38211/p2p/12D3KooW..."],
+     "join_command": "swarmloco peer ..."}
+
+The identity file (``<db>.key`` unless given) is the run's authority key, which signs tickets and revocation
+lists; it exists even without a DHT node, and the DHT node runs under the same key. With a DHT node, the signed
+revocation list is published under ``revocations_key(run_id)`` (subkey: the authority's peer id) at start and every
+``REVOCATIONS_EVERY_S``, so peers learn of revocations without asking the coordinator.
 """
 
 from __future__ import annotations
@@ -29,10 +35,15 @@ import uvicorn
 from coordinator.app import create_app
 from coordinator.service import CoordinatorService, ServiceConfig
 from coordinator.store import SQLiteStore
+from protocol.identity import load_or_create_identity
+from protocol.records import revocations_key
 
 __all__ = ["CoordinatorConfig", "CoordinatorServer", "join_command"]
 
 logger = logging.getLogger(__name__)
+
+REVOCATIONS_EVERY_S = 30.0
+REVOCATIONS_TTL_S = 120.0  # a few missed publications do not make the list vanish from the DHT
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,8 +83,10 @@ class CoordinatorServer:
 
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
+        self.identity_path = config.identity_path or Path(str(config.db) + ".key")
+        self.identity = load_or_create_identity(self.identity_path)
         self.store = SQLiteStore(config.db)
-        self.service = CoordinatorService(self.store, config.service)
+        self.service = CoordinatorService(self.store, config.service, identity=self.identity)
         self._sock = socket.create_server((config.host, config.port), reuse_port=False)
         self.port: int = self._sock.getsockname()[1]
         shown = "127.0.0.1" if config.host in ("0.0.0.0", "") else config.host
@@ -85,6 +98,8 @@ class CoordinatorServer:
         self.dht: Any = None
         self.dht_maddrs: list[str] = []
         self.dht_peer_id: str | None = None
+        self._stopping = threading.Event()
+        self._publisher: threading.Thread | None = None
 
     # -- DHT -------------------------------------------------------------------------------------------------
 
@@ -94,23 +109,55 @@ class CoordinatorServer:
             return
         import hivemind  # heavy; only when the bootstrap node is wanted
 
-        from protocol.identity import load_or_create_identity
+        from protocol.signed_records import RunValidator
 
-        path = self.config.identity_path or Path(str(self.config.db) + ".key")
-        identity = load_or_create_identity(path)
+        # The bootstrap node checks what it stores like every peer does: signed records with tickets only.
+        authority = None if self.service.authority.mode == "none" else self.identity.peer_id
+        validator = RunValidator(self.config.service.run_id, authority)
         self.dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{self.config.dht_host}/tcp/{self.config.dht_port}"],
-                                identity_path=str(path), check_if_identity_free=False)
+                                identity_path=str(self.identity_path), check_if_identity_free=False,
+                                record_validators=[validator])
         self.dht_peer_id = self.dht.peer_id.to_base58()
-        if self.dht_peer_id != identity.peer_id:
-            logger.warning("DHT peer id %s differs from identity %s", self.dht_peer_id, identity.peer_id)
+        if self.dht_peer_id != self.identity.peer_id:
+            logger.warning("DHT peer id %s differs from identity %s", self.dht_peer_id, self.identity.peer_id)
         self.dht_maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
+        self.publish_revocations()
+        self._publisher = threading.Thread(target=self._publish_loop, name="revocations", daemon=True)
+        self._publisher.start()
+
+    def publish_revocations(self, timeout: float = 20.0) -> bool:
+        """Store the signed revocation list in the DHT once; returns whether the DHT accepted it."""
+        from hivemind.utils import get_dht_time
+
+        dht = self.dht
+        if dht is None:
+            return False
+        value = self.service.authority.revocations()
+        try:
+            future = dht.store(revocations_key(self.config.service.run_id), value,
+                               expiration_time=get_dht_time() + REVOCATIONS_TTL_S, subkey=self.identity.peer_id,
+                               return_future=True)
+            stored = bool(future.result(timeout=timeout))
+        except Exception as e:  # a DHT hiccup must not take the coordinator down; the next round retries
+            logger.warning("could not publish the revocation list (serial %d) to the DHT: %s: %s", value["serial"],
+                           type(e).__name__, e)
+            return False
+        if not stored:
+            logger.warning("the DHT refused the revocation list (serial %d); retrying in %.0fs", value["serial"],
+                           REVOCATIONS_EVERY_S)
+        return stored
+
+    def _publish_loop(self) -> None:
+        while not self._stopping.wait(REVOCATIONS_EVERY_S):
+            self.publish_revocations()
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 
     def info(self) -> dict[str, Any]:
         run_id = self.config.service.run_id
         return {"url": self.url, "host": self.config.host, "port": self.port, "run_id": run_id,
-                "db": str(Path(self.config.db).resolve()), "pid": os.getpid(), "dht_peer_id": self.dht_peer_id,
+                "db": str(Path(self.config.db).resolve()), "pid": os.getpid(), "authority": self.identity.peer_id,
+                "admission": self.service.authority.mode, "dht_peer_id": self.dht_peer_id,
                 "dht_maddrs": self.dht_maddrs,
                 "join_command": join_command(self.dht_maddrs[0] if self.dht_maddrs else None, self.url, run_id)}
 
@@ -171,6 +218,10 @@ class CoordinatorServer:
         self._cleanup()
 
     def _cleanup(self) -> None:
+        self._stopping.set()
+        if self._publisher is not None:
+            self._publisher.join(timeout=25)
+            self._publisher = None
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None

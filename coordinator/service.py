@@ -3,23 +3,33 @@
 Admission order for one report (each step either passes or answers a 4xx and changes nothing):
 size cap (413) -> JSON and schema (400) -> signature against the key inlined in ``peer_id`` (401) ->
 known ``(peer_id, nonce)``: same content gives the stored answer again (idempotent retry), different content is a
-replay (409) -> timestamp inside the window (422) -> one atomic store transaction (200).
+replay (409) -> timestamp inside the window (422) -> the peer is not revoked and, unless admission is ``none``,
+holds a ticket of this coordinator (403) -> the peer's own rate (429) -> one atomic store transaction (200).
+
+A committed round report creates and credits its round only with a commit certificate that verifies (signatures
+of a majority of the swarm, each signer admitted) and matches the report; the round's members, weights and state
+come from the certificate. Without one the report is kept as the peer's claim. Ticket issuance and revocation
+live in :mod:`coordinator.authority`.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import generate_latest
 
+from coordinator.authority import Answer, Authority, AuthorityConfig
+from coordinator.limits import RateLimiter
 from coordinator.store import Page, Store
-from protocol.reports import MAX_REPORT_BYTES, ReportError, content_hash, parse_report
+from protocol.certificates import Certificate
+from protocol.identity import Identity
+from protocol.reports import MAX_REPORT_BYTES, Report, ReportError, content_hash, parse_report
 
 __all__ = ["Answer", "CoordinatorService", "ServiceConfig"]
 
@@ -39,6 +49,13 @@ class ServiceConfig:
     max_report_bytes: int = MAX_REPORT_BYTES
     rate_per_s: float = 500.0  # per-client token bucket, refuses floods with 429
     rate_burst: float = 1000.0
+    authority: AuthorityConfig = field(default_factory=AuthorityConfig)
+    # What one peer can make us store: reports beyond its own rate get 429, and only its newest reports (with
+    # their metrics and round rows) are kept per run. Unless admission is `none`, only ticket holders report.
+    peer_rate_per_s: float = 20.0
+    peer_rate_burst: float = 2000.0  # room for a peer's buffer of reports held back while we were down
+    keep_reports_per_peer: int = 50_000
+    max_runs: int = 1000  # distinct run ids reports may create (admission `none` accepts any run id)
 
     def __post_init__(self) -> None:
         if not 0 < self.max_past_s <= 86400 * 30:
@@ -51,43 +68,30 @@ class ServiceConfig:
             raise ValueError(f"max_report_bytes must be in [256, 16 MiB], got {self.max_report_bytes}")
         if not (self.rate_per_s > 0 and self.rate_burst >= 1):
             raise ValueError(f"rate_per_s must be > 0 and rate_burst >= 1, got {self.rate_per_s}, {self.rate_burst}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Answer:
-    """An HTTP status and JSON body for one ingest call."""
-
-    status: int
-    body: dict[str, Any]
-
-
-class _RateLimiter:
-    """Token bucket per client key; bounded number of tracked clients."""
-
-    def __init__(self, rate: float, burst: float, max_clients: int = 10_000) -> None:
-        self.rate, self.burst, self.max_clients = rate, burst, max_clients
-        self._buckets: dict[str, tuple[float, float]] = {}
-        self._lock = threading.Lock()
-
-    def allow(self, key: str, now: float) -> bool:
-        with self._lock:
-            tokens, last = self._buckets.get(key, (self.burst, now))
-            tokens = min(self.burst, tokens + (now - last) * self.rate)
-            if len(self._buckets) >= self.max_clients and key not in self._buckets:
-                self._buckets.clear()  # crude but bounded: forget everyone rather than grow forever
-            if tokens < 1:
-                self._buckets[key] = (tokens, now)
-                return False
-            self._buckets[key] = (tokens - 1, now)
-            return True
+        if not (self.peer_rate_per_s > 0 and self.peer_rate_burst >= 1):
+            raise ValueError(f"peer_rate_per_s must be > 0 and peer_rate_burst >= 1, got {self.peer_rate_per_s}, "
+                             f"{self.peer_rate_burst}")
+        if not 10 <= self.keep_reports_per_peer <= 10_000_000:
+            raise ValueError(f"keep_reports_per_peer must be in [10, 10000000], got {self.keep_reports_per_peer}")
+        if not 1 <= self.max_runs <= 1_000_000:
+            raise ValueError(f"max_runs must be in [1, 1000000], got {self.max_runs}")
 
 
 class CoordinatorService:
-    """Everything the HTTP layer calls; owns no sockets and no SQL."""
+    """Everything the HTTP layer calls; owns no sockets and no SQL.
 
-    def __init__(self, store: Store, config: ServiceConfig, *, clock: Callable[[], float] = time.time) -> None:
+    ``identity`` is the run's authority key (the coordinator's ``<db>.key``); tests may leave it out and get a
+    throwaway one."""
+
+    def __init__(self, store: Store, config: ServiceConfig, *, identity: Identity | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.store, self.config, self.clock = store, config, clock
-        self._limiter = _RateLimiter(config.rate_per_s, config.rate_burst)
+        if identity is None:
+            identity = Identity(path=Path("(in memory)"), private_key=Identity.generate())
+        self.authority = Authority(store, identity, config.run_id, config.authority, clock=clock,
+                                   max_future_s=config.max_future_s)
+        self._limiter = RateLimiter(config.rate_per_s, config.rate_burst)
+        self._per_peer = RateLimiter(config.peer_rate_per_s, config.peer_rate_burst)
         self.store.ensure_run(config.run_id, clock())
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_StoreCollector(self))  # type: ignore[arg-type]
@@ -115,10 +119,53 @@ class CoordinatorService:
                 "error": f"timestamp {report.timestamp:.3f} is {skew:+.1f}s from the coordinator's clock; "
                          f"accepted window is -{self.config.max_past_s:g}s..+{self.config.max_future_s:g}s "
                          f"(re-sign the report with the current time, and check the clock)"})
-        stored = self.store.add_report(report, content_hash=digest, received_at=now)
+        refusal = self.authority.report_refusal(report.peer_id, report.run_id) or self._run_refusal(report.run_id)
+        if refusal:
+            return Answer(status=403, body={"error": refusal})
+        if not self._per_peer.allow(report.peer_id, now):
+            return Answer(status=429, body={"error": "too many reports from this peer; retry with back-off"})
+        certificate, uncredited = self._certificate(report)
+        stored = self.store.add_report(report, content_hash=digest, received_at=now, certificate=certificate,
+                                       uncredited=uncredited, keep_reports=self.config.keep_reports_per_peer)
         if not stored.created:  # lost a race with a concurrent copy of the same report
             return self._known(stored.content_hash, digest, stored.response)
         return Answer(status=200, body=stored.response)
+
+    def _run_refusal(self, run_id: str) -> str:
+        if self.store.has_run(run_id) or self.store.run_count() < self.config.max_runs:
+            return ""
+        return f"this coordinator records at most {self.config.max_runs} runs; report to run {self.config.run_id!r}"
+
+    def _certificate(self, report: Report) -> tuple[Certificate | None, str]:
+        """The verified certificate of a committed round report that matches it, or None and the reason why not."""
+        b = report.body
+        if report.kind != "round" or b["outcome"] != "committed":
+            return None, ""
+        if not b.get("certificate"):
+            return None, "no commit certificate: the round is the peer's own claim"
+        gate = self.authority.gate(report.run_id)
+        try:
+            certificate = Certificate.from_bytes(b["certificate"].encode())
+            # quorum 1: the certificate's own majority rule (need(swarm, quorum)) makes it the swarm's state
+            problem = certificate.problem(run_id=report.run_id, gate=gate, quorum=1)
+        except (ValueError, TypeError, RecursionError) as e:  # hostile JSON: wrong types, deep nesting
+            return None, f"malformed commit certificate: {type(e).__name__}: {str(e)[:200]}"
+        if problem:
+            return None, f"invalid commit certificate: {problem}"
+        s = certificate.statement
+        if s.round != b["round"] or s.new_hash != b["state_hash"]:
+            return None, (f"the certificate is for round {s.round} {s.new_hash[:12]}, the report for round "
+                          f"{b['round']} {(b['state_hash'] or '')[:12]}")
+        if report.peer_id not in s.members:
+            return None, "the reporting peer is not a member of the certified round"
+        return certificate, ""
+
+    # -- authority -------------------------------------------------------------------------------------------
+
+    def request_ticket(self, raw: bytes, *, client: str = "?") -> Answer:
+        if not self._limiter.allow(client, self.clock()):
+            return Answer(status=429, body={"error": "too many requests from this client; retry with back-off"})
+        return self.authority.request_ticket(raw, client=client)
 
     @staticmethod
     def _known(stored_hash: str, digest: str, response: dict[str, Any]) -> Answer:

@@ -1,14 +1,17 @@
 """Progress store: the only place that speaks SQL.
 
-:class:`Store` is the interface the service uses (runs, peers, rounds, metrics and the report ledger); the
-embedded default :class:`SQLiteStore` keeps everything in one SQLite file in WAL mode with ``synchronous=FULL``, so
-a report acknowledged with a 2xx has been fsynced. Schema changes are numbered migrations tracked by
-``PRAGMA user_version``; ``PRAGMA integrity_check`` runs at start-up and refuses a damaged file. Each report is
-stored in a single transaction: either every row it implies is written, or none.
+:class:`Store` is the interface the service uses (runs, peers, rounds, metrics, the report ledger, and the
+authority's tickets and revocations in :mod:`coordinator.store_authority`); the embedded default
+:class:`SQLiteStore` keeps everything in one SQLite file in WAL mode with ``synchronous=FULL``, so a report
+acknowledged with a 2xx has been fsynced. Schema changes are numbered migrations tracked by ``PRAGMA user_version``;
+``PRAGMA integrity_check`` runs at start-up and refuses a damaged file. Each report is stored in a single
+transaction: either every row it implies is written, or none. A committed round exists only with its commit
+certificate, kept once in its ``rounds`` row.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import sqlite3
@@ -19,6 +22,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from coordinator.migrations import MIGRATIONS
+from coordinator.store_authority import AuthorityTables, IssuedTicket
+from coordinator.store_listings import Listings, Page
+from protocol.certificates import Certificate
 from protocol.reports import Report
 
 __all__ = ["Page", "SQLiteStore", "Store", "StoreError", "StoredReport"]
@@ -39,20 +45,25 @@ class StoredReport:
     created: bool
 
 
-@dataclass(frozen=True, kw_only=True)
-class Page:
-    """One page of a listing, ordered by ``id``; pass ``next_cursor`` back as ``cursor`` for the next page."""
-
-    items: list[dict[str, Any]]
-    next_cursor: int | None
-
-
 class Store(Protocol):
     """What the coordinator needs from a database; an implementation must make :meth:`add_report` atomic."""
 
     def find_report(self, peer_id: str, nonce: str) -> StoredReport | None: ...
-    def add_report(self, report: Report, *, content_hash: str, received_at: float) -> StoredReport: ...
+    def add_report(self, report: Report, *, content_hash: str, received_at: float,
+                   certificate: Certificate | None = None, uncredited: str = "",
+                   keep_reports: int | None = None) -> StoredReport: ...
     def ensure_run(self, run_id: str, now: float) -> None: ...
+    def has_run(self, run_id: str) -> bool: ...
+    def run_count(self) -> int: ...
+    def add_ticket(self, ticket: IssuedTicket, *, prune_expired_before: float) -> None: ...
+    def find_ticket_request(self, peer_id: str, nonce: str) -> IssuedTicket | None: ...
+    def latest_ticket(self, run_id: str, peer_id: str) -> IssuedTicket | None: ...
+    def ticket_expiry(self, run_id: str, peer_id: str) -> float | None: ...
+    def revoke(self, peer_id: str, *, reason: str, now: float, max_revoked: int) -> tuple[bool, int]: ...
+    def unrevoke(self, peer_id: str, *, now: float) -> tuple[bool, int]: ...
+    def revocation_serial(self) -> int: ...
+    def revoked(self) -> tuple[int, frozenset[str]]: ...
+    def is_revoked(self, peer_id: str) -> bool: ...
     def list_runs(self, *, limit: int, cursor: int | None, descending: bool) -> Page: ...
     def list_peers(self, *, run_id: str | None, peer_id: str | None, limit: int, cursor: int | None,
                    descending: bool) -> Page: ...
@@ -69,10 +80,17 @@ class Store(Protocol):
     def close(self) -> None: ...
 
 
-_TABLES = ("runs", "peers", "reports", "metrics", "rounds", "round_reports")
+_TABLES = ("runs", "peers", "reports", "metrics", "rounds", "round_reports", "tickets", "revoked")
 
 
-class SQLiteStore:
+def _ledger_body(body: dict[str, Any]) -> str:
+    """The body as kept in the ledger: a certificate is kept once, with its round, and referenced by digest here."""
+    if body.get("certificate"):
+        body = {**body, "certificate": "sha256:" + hashlib.sha256(body["certificate"].encode()).hexdigest()}
+    return json.dumps(body, separators=(",", ":"))
+
+
+class SQLiteStore(AuthorityTables, Listings):
     """SQLite implementation of :class:`Store`; thread-safe through one connection guarded by a lock."""
 
     def __init__(self, path: str | Path, *, busy_timeout_s: float = 10.0) -> None:
@@ -141,8 +159,21 @@ class SQLiteStore:
             self._conn.execute("INSERT OR IGNORE INTO runs(run_id, created_at, last_seen) VALUES (?,?,?)",
                                (run_id, now, now))
 
-    def add_report(self, report: Report, *, content_hash: str, received_at: float) -> StoredReport:
-        """Store a report and everything it implies in one transaction; a known (peer, nonce) is returned as is."""
+    def has_run(self, run_id: str) -> bool:
+        with self._lock:
+            return self._conn.execute("SELECT 1 FROM runs WHERE run_id=?", (run_id,)).fetchone() is not None
+
+    def run_count(self) -> int:
+        return int(self._scalar("SELECT COUNT(*) FROM runs"))
+
+    def add_report(self, report: Report, *, content_hash: str, received_at: float,
+                   certificate: Certificate | None = None, uncredited: str = "",
+                   keep_reports: int | None = None) -> StoredReport:
+        """Store a report and everything it implies in one transaction; a known (peer, nonce) is returned as is.
+
+        A committed round report creates and credits its round only with ``certificate`` (verified by the caller,
+        and matching the report); without one it is kept as the peer's claim, and ``uncredited`` says why.
+        ``keep_reports`` bounds the ledger per peer and run: the oldest reports beyond it are pruned."""
         with self._lock:
             c = self._conn
             c.execute("BEGIN IMMEDIATE")
@@ -155,20 +186,26 @@ class SQLiteStore:
                     "INSERT INTO reports(peer_id, nonce, run_id, kind, timestamp, received_at, content_hash,"
                     " body, response) VALUES (?,?,?,?,?,?,?,?,?)",
                     (report.peer_id, report.nonce, report.run_id, report.kind, report.timestamp, received_at,
-                     content_hash, json.dumps(report.body, separators=(",", ":")), "{}"),
+                     content_hash, _ledger_body(report.body), "{}"),
                 )
                 report_id = int(cur.lastrowid or 0)
-                response = {"status": "stored", "report_id": report_id, "kind": report.kind,
-                            "peer_id": report.peer_id, "nonce": report.nonce}
+                response: dict[str, Any] = {"status": "stored", "report_id": report_id, "kind": report.kind,
+                                            "peer_id": report.peer_id, "nonce": report.nonce}
+                if report.kind == "round" and report.body["outcome"] == "committed":
+                    response["credited"] = certificate is not None
+                    if certificate is None:
+                        response["reason"] = uncredited or "no valid commit certificate"
                 c.execute("UPDATE reports SET response=? WHERE id=?", (json.dumps(response), report_id))
-                self._apply(report, report_id, received_at)
+                self._apply(report, report_id, received_at, certificate)
+                if keep_reports is not None:
+                    self._bound(report.run_id, report.peer_id, keep_reports)
                 c.execute("COMMIT")
             except BaseException:
                 c.execute("ROLLBACK")
                 raise
         return StoredReport(content_hash=content_hash, response=response, created=True)
 
-    def _apply(self, r: Report, report_id: int, now: float) -> None:
+    def _apply(self, r: Report, report_id: int, now: float, certificate: Certificate | None) -> None:
         c, b = self._conn, r.body
         c.execute("INSERT INTO runs(run_id, created_at, last_seen) VALUES (?,?,?) "
                   "ON CONFLICT(run_id) DO UPDATE SET last_seen=MAX(last_seen, excluded.last_seen)",
@@ -200,113 +237,59 @@ class SQLiteStore:
                       "last_tokens_per_s=CASE WHEN ? THEN ? ELSE last_tokens_per_s END WHERE run_id=? AND peer_id=?",
                       (b["tokens_total"], b["train_loss"], training and b["tokens_per_s"] > 0, b["tokens_per_s"], *key))
         elif r.kind == "round":
-            self._apply_round(r, report_id)
+            self._apply_round(r, report_id, certificate)
 
-    def _apply_round(self, r: Report, report_id: int) -> None:
+    def _apply_round(self, r: Report, report_id: int, certificate: Certificate | None) -> None:
         c, b = self._conn, r.body
+        committed = b["outcome"] == "committed"
+        if committed and certificate is None:
+            return  # the peer's own claim: kept in the ledger, but it neither creates nor credits a round
+        if certificate is not None:  # members, weights and the new state come from what the members signed
+            s = certificate.statement
+            number, state_hash, members, tokens = s.round, s.new_hash, list(s.members), list(s.weights)
+        else:
+            number, state_hash, members, tokens = b["round"], b["state_hash"] or "", b["members"], b["tokens"]
         # One `rounds` row per distinct (round, outcome, hash): members that disagree show up as separate rows.
         c.execute("INSERT OR IGNORE INTO rounds(run_id, round, outcome, state_hash, members, tokens, "
                   "first_reported_at) VALUES (?,?,?,?,?,?,?)",
-                  (r.run_id, b["round"], b["outcome"], b["state_hash"] or "", json.dumps(b["members"]),
-                   json.dumps(b["tokens"]), r.timestamp))
+                  (r.run_id, number, b["outcome"], state_hash, json.dumps(members), json.dumps(tokens), r.timestamp))
         round_id = c.execute("SELECT id FROM rounds WHERE run_id=? AND round=? AND outcome=? AND state_hash=?",
-                             (r.run_id, b["round"], b["outcome"], b["state_hash"] or "")).fetchone()[0]
+                             (r.run_id, number, b["outcome"], state_hash)).fetchone()[0]
+        if certificate is not None:  # also certifies a row recorded from a claim before certificates existed
+            c.execute("UPDATE rounds SET certificate=?, members=?, tokens=? WHERE id=? AND certificate IS NULL",
+                      (certificate.to_bytes().decode(), json.dumps(members), json.dumps(tokens), round_id))
+        first = c.execute("SELECT 1 FROM round_reports WHERE round_id=? AND peer_id=?",
+                          (round_id, r.peer_id)).fetchone() is None
         c.execute("INSERT INTO round_reports(round_id, report_id, peer_id, timestamp, train_s, wait_s, average_s,"
                   " eval_loss, failure_reason) VALUES (?,?,?,?,?,?,?,?,?)",
                   (round_id, report_id, r.peer_id, r.timestamp, b["train_s"], b["wait_s"], b["average_s"],
                    b.get("eval_loss"), b.get("failure_reason")))
-        if b["outcome"] == "committed":
+        if committed and first:  # a member is credited once per round, however often it reports it
             c.execute("UPDATE peers SET rounds_committed=rounds_committed+1 WHERE run_id=? AND peer_id=?",
                       (r.run_id, r.peer_id))
 
-    # -- listings --------------------------------------------------------------------------------------------
-
-    def _page(self, sql: str, where: list[str], args: list[Any], *, id_col: str, limit: int,
-              cursor: int | None, descending: bool) -> list[sqlite3.Row]:
-        if cursor is not None:
-            where.append(f"{id_col} {'<' if descending else '>'} ?")
-            args.append(cursor)
-        if where:
-            sql += " WHERE " + " AND ".join(where)
-        sql += f" ORDER BY {id_col} {'DESC' if descending else 'ASC'} LIMIT ?"
-        args.append(limit)
-        with self._lock:
-            return self._conn.execute(sql, args).fetchall()
-
-    @staticmethod
-    def _finish(items: list[dict[str, Any]], limit: int) -> Page:
-        return Page(items=items, next_cursor=items[-1]["id"] if len(items) == limit and items else None)
-
-    @staticmethod
-    def _filters(run_id: str | None, peer_id: str | None, prefix: str = "") -> tuple[list[str], list[Any]]:
-        where, args = [], []
-        if run_id is not None:
-            where.append(f"{prefix}run_id = ?")
-            args.append(run_id)
-        if peer_id is not None:
-            where.append(f"{prefix}peer_id = ?")
-            args.append(peer_id)
-        return where, args
-
-    def list_runs(self, *, limit: int, cursor: int | None, descending: bool) -> Page:
-        rows = self._page("SELECT rowid AS id, run_id, created_at, last_seen, (SELECT COUNT(*) FROM peers p "
-                          "WHERE p.run_id = runs.run_id) AS peers FROM runs", [], [], id_col="rowid",
-                          limit=limit, cursor=cursor, descending=descending)
-        return self._finish([dict(r) for r in rows], limit)
-
-    def list_peers(self, *, run_id: str | None, peer_id: str | None, limit: int, cursor: int | None,
-                   descending: bool) -> Page:
-        where, args = self._filters(run_id, peer_id)
-        rows = self._page("SELECT rowid AS id, * FROM peers", where, args, id_col="rowid", limit=limit,
-                          cursor=cursor, descending=descending)
-        return self._finish([dict(r) for r in rows], limit)
-
-    def list_metrics(self, *, run_id: str | None, peer_id: str | None, limit: int, cursor: int | None,
-                     descending: bool) -> Page:
-        where, args = self._filters(run_id, peer_id)
-        rows = self._page("SELECT id, run_id, peer_id, timestamp, step, train_loss, eval_loss, tokens_per_s,"
-                          " tokens_total FROM metrics", where, args, id_col="id", limit=limit, cursor=cursor,
-                          descending=descending)
-        return self._finish([dict(r) for r in rows], limit)
-
-    def list_rounds(self, *, run_id: str | None, peer_id: str | None, limit: int, cursor: int | None,
-                    descending: bool) -> Page:
-        where, args = self._filters(run_id, None)
-        if peer_id is not None:
-            where.append("id IN (SELECT round_id FROM round_reports WHERE peer_id = ?)")
-            args.append(peer_id)
-        rows = self._page("SELECT * FROM rounds", where, args, id_col="id", limit=limit, cursor=cursor,
-                          descending=descending)
-        items = [self._round_item(r) for r in rows]
-        self._attach_round_reports(items)
-        return self._finish(items, limit)
-
-    @staticmethod
-    def _round_item(r: sqlite3.Row) -> dict[str, Any]:
-        tokens = json.loads(r["tokens"])
-        return {"id": r["id"], "run_id": r["run_id"], "round": r["round"], "outcome": r["outcome"],
-                "state_hash": r["state_hash"] or None, "members": json.loads(r["members"]), "tokens": tokens,
-                "tokens_total": sum(tokens), "first_reported_at": r["first_reported_at"]}
-
-    def _attach_round_reports(self, items: list[dict[str, Any]]) -> None:
-        by_id = {it["id"]: it for it in items}
-        if not by_id:
+    def _bound(self, run_id: str, peer_id: str, keep: int) -> None:
+        """Keep at most about ``keep`` reports of one peer in one run: prune the oldest (with their metrics and
+        round rows) in batches of a tenth, so the cost is paid once per batch rather than on every report."""
+        c, key = self._conn, (run_id, peer_id)
+        c.execute("UPDATE peers SET stored_reports=stored_reports+1 WHERE run_id=? AND peer_id=?", key)
+        stored = c.execute("SELECT stored_reports FROM peers WHERE run_id=? AND peer_id=?", key).fetchone()[0]
+        if stored <= keep + max(1, keep // 10):
             return
-        marks = ",".join("?" * len(by_id))
-        with self._lock:
-            rows = self._conn.execute(f"SELECT * FROM round_reports WHERE round_id IN ({marks}) ORDER BY id",
-                                      list(by_id)).fetchall()
-        for it in items:
-            it.update(reporters=[], train_s=0.0, wait_s=0.0, average_s=0.0, eval_loss=None, failure_reasons=[])
-        for row in rows:
-            it = by_id[row["round_id"]]
-            it["reporters"].append(row["peer_id"])
-            for col in ("train_s", "wait_s", "average_s"):  # the slowest member's view of the round
-                it[col] = max(it[col], row[col])
-            if row["eval_loss"] is not None and it["eval_loss"] is None:
-                it["eval_loss"] = row["eval_loss"]
-            if row["failure_reason"] and row["failure_reason"] not in it["failure_reasons"]:
-                it["failure_reasons"].append(row["failure_reason"])
+        row = c.execute("SELECT id FROM reports WHERE run_id=? AND peer_id=? ORDER BY id DESC LIMIT 1 OFFSET ?",
+                        (*key, keep)).fetchone()
+        if row is not None:
+            old, args = "SELECT id FROM reports WHERE run_id=? AND peer_id=? AND id<=?", (*key, row[0])
+            c.execute(f"DELETE FROM metrics WHERE report_id IN ({old})", args)
+            touched = [r[0] for r in c.execute(f"SELECT round_id FROM round_reports WHERE report_id IN ({old})", args)]
+            c.execute(f"DELETE FROM round_reports WHERE report_id IN ({old})", args)
+            c.execute("DELETE FROM reports WHERE run_id=? AND peer_id=? AND id<=?", args)
+            # Rounds nobody reports any more go too, unless certified: those are the run's history.
+            for round_id in set(touched):
+                c.execute("DELETE FROM rounds WHERE id=? AND certificate IS NULL AND NOT EXISTS "
+                          "(SELECT 1 FROM round_reports WHERE round_id=?)", (round_id, round_id))
+        count = c.execute("SELECT COUNT(*) FROM reports WHERE run_id=? AND peer_id=?", key).fetchone()[0]
+        c.execute("UPDATE peers SET stored_reports=? WHERE run_id=? AND peer_id=?", (count, *key))
 
     # -- aggregates for /metrics -----------------------------------------------------------------------------
 

@@ -76,11 +76,15 @@ def run_peer(args: argparse.Namespace) -> int:
             summary = run_solo(replica, cfg, stop=stop)
         else:
             from peer.swarm_runner import IncompatibleSwarm, run_swarm_peer
+            from peer.tickets import AdmissionSetupError
 
             try:
                 summary = run_swarm_peer(replica, cfg, stop=stop)
             except IncompatibleSwarm as exc:
                 logger.error("refused: %s", exc)
+                return 3
+            except AdmissionSetupError as exc:
+                logger.error("not admitted: %s", exc)
                 return 3
         write_summary(run.summary_json, summary)
         return 0

@@ -130,7 +130,8 @@ class Reporter:
 
     def report_round(self, *, round: int, members: Sequence[str], tokens: Sequence[int], state_hash: str | None,
                      train_s: float, wait_s: float, average_s: float, outcome: str,
-                     failure_reason: str | None = None, eval_loss: float | None = None) -> bool:
+                     failure_reason: str | None = None, eval_loss: float | None = None,
+                     certificate: str | None = None) -> bool:
         self._last_heartbeat_body["round"] = int(round)
         body: dict[str, Any] = {
             "round": int(round), "members": list(members), "tokens": [int(t) for t in tokens],
@@ -140,6 +141,8 @@ class Reporter:
         }
         if eval_loss is not None:
             body["eval_loss"] = _finite_or_none(eval_loss)
+        if certificate:  # the commit certificate's JSON: without it the coordinator does not credit the round
+            body["certificate"] = certificate
         return self._submit("round", body)
 
     @property

@@ -14,6 +14,12 @@ from protocol.outcome import Outcome
 logger = logging.getLogger(__name__)
 
 
+def _certificate_text(value: Any) -> str | None:
+    """A committed round's certificate as the report carries it: Certificate.to_bytes() decoded."""
+    if isinstance(value, bytes):
+        return value.decode("ascii", errors="replace")
+    return value if isinstance(value, str) and value else None
+
 
 class SwarmReports:
     def __init__(
@@ -78,6 +84,7 @@ class SwarmReports:
             outcome=str(entry.get("outcome", Outcome.DISCARDED)),
             failure_reason=reason,
             eval_loss=entry.get("eval_loss"),
+            certificate=_certificate_text(entry.get("certificate")),
         )
         if entry.get("eval_loss") is not None:
             self.reporter.report_metrics(

@@ -71,6 +71,7 @@ class RoundResult:
     bytes_received: int = 0
     direct: int = 0  # contributions that moved on the TCP data plane (member: 1 if its own did)
     seconds: float = 0.0
+    certify_s: float = 0.0  # of `seconds`: signing the statement, gathering votes, sending the certificate
     certificate: Certificate | None = None  # committed (or, on a mismatch, the state to re-sync to)
 
 
@@ -157,14 +158,18 @@ class Averager:
                 applied = True
                 new_hash = apply(average.delta)
                 statement = replace(statement, new_hash=new_hash)
+                certify_started = time.monotonic()
                 result = self._certify_as_leader(group, average, statement)
+                result.certify_s = time.monotonic() - certify_started
             else:
                 result, average_delta, statement = self.transport.call(
                     self._exchange_as_member(group, contribution, prev), timeout=self.deadlines.exchange
                 )
                 applied = True
                 result.state_hash = apply(average_delta)
+                certify_started = time.monotonic()
                 result = self._certify_as_member(group, result, statement)
+                result.certify_s = time.monotonic() - certify_started
         except (RoundAborted, concurrent.futures.TimeoutError, TimeoutError) as exc:
             self.transport.submit(self._abort(group, str(exc) or "timed out") if group.is_leader
                                   else self._release(group))

@@ -101,15 +101,19 @@ class Certificate:
             raise ValueError(f"certificate must be 1 .. {MAX_CERT_BYTES} bytes, got {len(raw)}")
         try:
             value: Any = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             raise ValueError("certificate is not JSON") from None
         if not isinstance(value, dict) or set(value) != {"statement", "signatures", "tickets"}:
             raise ValueError("certificate must have exactly statement, signatures and tickets")
         st, sigs, tickets = value["statement"], value["signatures"], value["tickets"]
         if not isinstance(st, dict) or set(st) != set(Statement.__dataclass_fields__):
             raise ValueError("certificate statement has the wrong fields")
-        if not isinstance(st["members"], list) or not isinstance(st["weights"], list):
-            raise ValueError("certificate members and weights must be lists")
+        if not (isinstance(st["members"], list) and all(isinstance(m, str) for m in st["members"])
+                and isinstance(st["weights"], list) and all(type(w) is int for w in st["weights"])):
+            raise ValueError("certificate members must be a list of peer ids and weights a list of integers")
+        if not all(type(st[k]) is int for k in ("round", "swarm", "work")) or not all(
+                isinstance(st[k], str) for k in ("run_id", "prev_hash", "new_hash")):
+            raise ValueError("certificate statement fields have the wrong types")
         for mapping in (sigs, tickets):
             if not isinstance(mapping, dict) or len(mapping) > MAX_MEMBERS or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()

@@ -19,7 +19,6 @@ already joined it.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -30,7 +29,10 @@ from protocol.certificates import need
 from protocol.chain import Chain
 from protocol.data_plane import DataPlane, connect
 from protocol.exchange import Link
-from protocol.records import PROTOCOL_VERSION, PeerRecord, describe_difference
+from protocol.groups import Group as Group  # re-exported: what matchmaking hands the exchange
+from protocol.groups import RoundAborted as RoundAborted
+from protocol.groups import admit
+from protocol.records import PROTOCOL_VERSION, PeerRecord
 from protocol.rounds import (
     Behind,
     Deadlines,
@@ -46,71 +48,6 @@ from protocol.wire import WireError, close_writer, read_frame, write_frame
 
 logger = logging.getLogger(__name__)
 POLL_S = 0.25  # a leader re-reads the records this often while it waits for members (a join wakes it at once)
-MAX_REFUSAL_CONFIG = 8192  # bytes of a refused peer's config we are willing to parse to name the difference
-
-
-class RoundAborted(RuntimeError):
-    """The round was discarded; nothing was applied. The message says why."""
-
-
-@dataclass
-class Group:
-    """A closed group. `links` are the peers this peer exchanges with: a leader's members, or a member's leader."""
-
-    round: int
-    me: str
-    leader: str
-    members: list[str]  # everyone in the group, leader first
-    links: dict[str, Link]
-    release: asyncio.Future[None] | None = None  # leader: resolved once the exchange is over (join handlers then end)
-    swarm: int = 1  # active peers the group is a majority of (the leader's count, checked by every member)
-    tickets: dict[str, bytes] = field(default_factory=dict)  # leader: each member's ticket, for the certificate
-
-    @property
-    def is_leader(self) -> bool:
-        return self.me == self.leader
-
-
-def admit(
-    req: pb.JoinRequest,
-    *,
-    run_id: str,
-    model: LocalModel,
-    state_hash: str,
-    collecting_round: int | None,
-    closed: bool,
-    size: int,
-    max_group: int,
-    not_admitted: str = "",
-) -> tuple[int, str]:
-    """A leader's answer to a join request, with the reason a refused peer is shown (`not_admitted`: why its
-    ticket is refused, "" when it is valid)."""
-    if req.protocol_version != PROTOCOL_VERSION:
-        return (
-            pb.JoinReply.INCOMPATIBLE,
-            f"protocol version differs: ours {PROTOCOL_VERSION}, yours {req.protocol_version}",
-        )
-    if req.run_id != run_id:
-        return pb.JoinReply.INCOMPATIBLE, f"run id differs: ours {run_id!r}, yours {req.run_id!r}"
-    if not_admitted:
-        return pb.JoinReply.NOT_ADMITTED, f"not admitted to this run: {not_admitted}"
-    if req.fingerprint != model.fingerprint:
-        try:
-            theirs = json.loads(req.task_config_json) if len(req.task_config_json) < MAX_REFUSAL_CONFIG else {}
-        except json.JSONDecodeError:
-            theirs = {}
-        return pb.JoinReply.INCOMPATIBLE, "model differs: " + describe_difference(
-            model.config, theirs if isinstance(theirs, dict) else {}
-        )
-    if collecting_round is None or collecting_round != req.round:
-        return pb.JoinReply.NOT_LEADER, f"not collecting round {req.round}"
-    if closed:
-        return pb.JoinReply.ROUND_CLOSED, f"group for round {req.round} already closed"
-    if req.state_hash != state_hash:
-        return pb.JoinReply.WRONG_STATE, f"state hash differs at round {req.round}: re-sync"
-    if size + 1 >= max_group:
-        return pb.JoinReply.FULL, f"group is full ({max_group})"
-    return pb.JoinReply.ACCEPTED, ""
 
 
 # How long a leader that turned us down is skipped, by its answer.

@@ -33,38 +33,48 @@ def _where(exc: BaseException) -> str:
     return f"{Path(frames[-1].filename).name}:{frames[-1].lineno} {frames[-1].line}" if frames else "?"
 
 
+def _bench_node(index: int, run_id: str, bootstrap: list[str]) -> Any:
+    """A started SwarmNode of a private benchmark swarm, with a throwaway identity of its own."""
+    from protocol.admission import Credentials, Gate
+    from protocol.identity import load_or_create_identity
+    from protocol.node import NetworkConfig, SwarmNode
+
+    path = Path(tempfile.mkdtemp(prefix="swarmloco-bench-")) / f"peer-{index}.key"
+    net = NetworkConfig(run_id=run_id, initial_peers=tuple(bootstrap), host_maddrs=("/ip4/127.0.0.1/tcp/0",),
+                        heartbeat_s=0.5, identity=str(path))
+    node = SwarmNode(net, credentials=Credentials(load_or_create_identity(path)), gate=Gate(run_id, None))
+    node.start()
+    return node
+
+
 def _allreduce_worker(
     index: int, bootstrap: list[str], numel: int, peers: int, reps: int, codec: str, out: Any
 ) -> None:
     import torch
 
     from protocol.averager import Averager, Contribution
-    from protocol.node import NetworkConfig, SwarmNode
+    from protocol.certificates import Head
     from protocol.records import PeerRecord
     from protocol.rounds import LocalModel, Outcome, RoundConfig
 
     torch.set_num_threads(1)
-    node = SwarmNode(
-        NetworkConfig(
-            run_id="bench", initial_peers=tuple(bootstrap), host_maddrs=("/ip4/127.0.0.1/tcp/0",), heartbeat_s=0.5
-        )
-    )
-    node.start()
+    node = _bench_node(index, "bench", bootstrap)
     try:
         model = LocalModel(fingerprint="bench", config={"numel": numel}, numel=numel)
         cfg = RoundConfig(
             quorum=peers, grace_min_s=0.0, grace_max_s=0.0, codec=codec, exchange_timeout_s=300, round_timeout_s=300
         )
-        averager = Averager(node, cfg, model)
+        averager = Averager(node, cfg, model, credentials=node.credentials, gate=node.gate, genesis_hash=HASH)
         averager.start()
+        averager.set_state(Head(0, HASH))
         delta = torch.randn(numel, generator=torch.Generator().manual_seed(index))
         results = []
         for rep in range(reps):
-            node.update_record(**PeerRecord.announce(fingerprint="bench", config_json="{}", round=rep, state_hash=HASH,
-                                                     ready=True).to_value())
-            averager.set_state(rep, HASH)
+            head = averager.head  # certified by the previous rep: every rep is one more round of the same chain
+            node.update_record(**PeerRecord.announce(fingerprint="bench", config_json="{}", round=head.round,
+                                                     state_hash=HASH, work=head.work, ready=True).to_value())
             # outlives round_timeout_s, so a matchmaking stall surfaces as form_group's own RoundAborted message
-            group = averager.find_group(rep, HASH).result(timeout=cfg.round_timeout_s + 30)
+            group = averager.find_group(head.round, HASH).result(timeout=cfg.round_timeout_s + 30)
             t0 = time.time()
             # The timed part is the same call a peer makes; "apply" keeps the state, so every rep starts from HASH.
             result = averager.run_round(group, Contribution(delta=delta, tokens=1000), apply=lambda average: HASH)
@@ -80,6 +90,7 @@ def _allreduce_worker(
                     "received": result.bytes_received,
                     "members": len(group.members),
                     "direct": result.direct,
+                    "certify_s": result.certify_s,
                 }
             )
         out.put({"index": index, "results": results, "error": None})
@@ -154,7 +165,6 @@ def _join_donor(preset: str, bootstrap: list[str], out: Any, stop: Any) -> None:
 
     from peer.model import GPT, PRESETS
     from protocol.hashing import pack_state, state_hash
-    from protocol.node import NetworkConfig, SwarmNode
     from protocol.state_sync import ServedState, StateServer
 
     torch.manual_seed(0)
@@ -162,12 +172,9 @@ def _join_donor(preset: str, bootstrap: list[str], out: Any, stop: Any) -> None:
     params = {n: p.detach().float() for n, p in model.named_parameters()}
     momentum = {n: torch.full_like(p, 0.5) for n, p in params.items()}
     blob = pack_state(params, momentum, list(params))
-    node = SwarmNode(
-        NetworkConfig(run_id="bench-join", initial_peers=tuple(bootstrap), host_maddrs=("/ip4/127.0.0.1/tcp/0",))
-    )
-    node.start()
+    node = _bench_node(0, "bench-join", bootstrap)
     try:
-        server = StateServer(node, "bench-join", max_concurrent=8)
+        server = StateServer(node, "bench-join", gate=node.gate, credentials=node.credentials, max_concurrent=8)
         node.call(server.register(), timeout=30)
         server.publish(ServedState(round=1, state_hash=state_hash(params, momentum), blob=blob))
         out.put(
@@ -187,7 +194,6 @@ def join_seconds(preset: str, donors: int) -> float:
     """Seconds from the joiner's first request to holding the donors' state, hash-verified."""
     from peer.model import GPT, PRESETS
     from protocol.hashing import blob_hash
-    from protocol.node import NetworkConfig, SwarmNode
     from protocol.state_sync import download_state
 
     ctx = mp.get_context("spawn")
@@ -204,14 +210,7 @@ def join_seconds(preset: str, donors: int) -> float:
         def verify(blob: bytes) -> str:
             return blob_hash(blob, shapes, names)
 
-        node = SwarmNode(
-            NetworkConfig(
-                run_id="bench-join",
-                initial_peers=tuple(m for i in infos for m in i["maddrs"]),
-                host_maddrs=("/ip4/127.0.0.1/tcp/0",),
-            )
-        )
-        node.start()
+        node = _bench_node(99, "bench-join", [m for i in infos for m in i["maddrs"]])
         started = time.perf_counter()
         _, bad = node.call(
             download_state(

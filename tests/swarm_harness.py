@@ -15,6 +15,7 @@ import hivemind
 from conftest import _SHM_MANAGER, ROOT, _cmdline, _descendants
 
 from protocol.identity import load_or_create_identity
+from protocol.rounds import leader_rank
 from scripts.swarm import PeerProc
 
 FAST = [
@@ -43,9 +44,24 @@ FAST = [
 ]
 
 
+def genesis_hash() -> str:
+    """θ_0's hash for the harness's model (FAST's tiny preset, seed 0), as every peer computes it."""
+    from peer.cli import build_replica
+    from peer.config import build_config
+    from peer.swarm_state import genesis_hash as of_replica
+
+    return of_replica(build_replica(build_config(env={})))
+
+
 class Swarm:
+    """Peers of one permissioned run: every peer started here signs its own ticket with the run's authority key
+    (a test's attacker is started without it, or with `admitted=True` to play an admitted peer gone bad)."""
+
     def __init__(self, workdir: Path, *, run_id: str = "test-run") -> None:
         self.workdir, self.run_id = workdir, run_id
+        self.authority_key = workdir / "authority.key"
+        self.authority = load_or_create_identity(self.authority_key).peer_id
+        self._genesis: str | None = None
         self.env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
         self.env.pop("SWARMLOCO_FAULTS", None)
         self.dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
@@ -53,12 +69,14 @@ class Swarm:
         self.peers: dict[str, PeerProc] = {}
 
     def identities(self, n: int) -> list[tuple[str, Path]]:
-        """n identity files, sorted by peer id (the leader of a round is usually the smallest ready id)."""
+        """n identity files in leader order of the first round (the best-ranked ready peer leads it)."""
+        if self._genesis is None:
+            self._genesis = genesis_hash()
         out = []
         for i in range(n):
             path = self.workdir / f"id-{i}.key"
             out.append((load_or_create_identity(path).peer_id, path))
-        return sorted(out)
+        return sorted(out, key=lambda item: leader_rank(self._genesis, item[0]))  # type: ignore[arg-type]
 
     def start(
         self,
@@ -71,6 +89,7 @@ class Swarm:
         quorum: int = 2,
         resume: bool = False,
         wait_for: int = 0,
+        admitted: bool = True,
     ) -> PeerProc:
         workdir = self.workdir / name
         argv = [
@@ -103,6 +122,7 @@ class Swarm:
         ]
         if identity is not None:
             argv += ["--identity", str(identity)]
+        argv += ["--authority-key", str(self.authority_key)] if admitted else ["--authority", self.authority]
         for maddr in self.bootstrap:
             argv += ["--initial-peer", maddr]
         peer = self.peers.get(name) or PeerProc(len(self.peers), workdir, argv)

@@ -25,6 +25,7 @@ from _coordinator_helpers import (
     spawn_coordinator,
     start_server,
 )
+from _ticket_helpers import admit_all, certificate, certified_round_body
 
 from coordinator.cli import add_coordinator_arguments, add_status_arguments, run_status
 from protocol.reports import build_report
@@ -53,6 +54,7 @@ def test_process_with_dht_ready_file_and_clean_sigterm(tmp_path: Path) -> None:
                                         f"--run-id demo")
         assert requests.get(info["url"] + "/healthz", timeout=10).json()["run_id"] == "demo"
         assert (tmp_path / "runs.sqlite.key").exists()  # stable DHT identity next to the database
+        assert info["authority"] == info["dht_peer_id"] and info["admission"] == "open"  # one key for both
         children = descendants(proc.pid)
         assert children, "expected the DHT process and p2pd as children"
         proc.send_signal(signal.SIGTERM)
@@ -87,11 +89,12 @@ def test_status_prints_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str
     server = start_server(tmp_path / "db.sqlite", run_id="run")
     try:
         (a, b) = make_identities(tmp_path / "ids", 2)
+        cert = certificate([a, b], admit_all(server, [a, b], "run"), run_id="run", round=7)
         for ident, device in ((a, "gpu-a"), (b, "cpu-b")):
             for r in (
                 build_report(ident, "run", "hello", hello_body(device=device)),
                 build_report(ident, "run", "metrics", metrics_body(4, loss=2.3456)),
-                build_report(ident, "run", "round", round_body(7, [a.peer_id, b.peer_id])),
+                build_report(ident, "run", "round", certified_round_body(round_body(7, [a.peer_id, b.peer_id]), cert)),
             ):
                 assert requests.post(server.url + "/api/reports", data=r.encode(), timeout=10).status_code == 200
         parser = argparse.ArgumentParser()

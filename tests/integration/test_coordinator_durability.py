@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from _coordinator_helpers import kill, make_identities, round_body, spawn_coordinator
+from _ticket_helpers import admit_all, certificate, certified_round_body
 
 from peer.reporting import Reporter, ReporterConfig
 from protocol.reports import Report
@@ -23,6 +24,7 @@ def test_sigkill_mid_stream_loses_nothing_acknowledged(tmp_path: Path) -> None:
     db, ready = tmp_path / "runs.sqlite", tmp_path / "ready.json"
     ids = make_identities(tmp_path / "ids", PEERS)
     proc, info = spawn_coordinator(db, ready, "--no-dht", "--run-id", "durable")
+    tickets = admit_all(info["url"], ids, "durable")  # tickets are in the database too: they outlive the SIGKILL
     acked: dict[str, int] = {}
     lock = threading.Lock()
 
@@ -34,12 +36,14 @@ def test_sigkill_mid_stream_loses_nothing_acknowledged(tmp_path: Path) -> None:
                             connect_timeout_s=1.0, read_timeout_s=2.0)
     reporters = [Reporter(info["url"], i, "durable", config=config, on_result=on_result).start() for i in ids]
     members = [i.peer_id for i in ids]
+    certs = {r: certificate(ids, tickets, run_id="durable", round=r) for r in range(1, REPORTS_PER_PEER // 10 + 1)}
     rounds_sent = [0] * PEERS
 
     def produce(k: int) -> None:
         for step in range(REPORTS_PER_PEER):
             if step % 10 == 9:
-                assert reporters[k].report_round(**round_body(step // 10, members))
+                number = step // 10 + 1
+                assert reporters[k].report_round(**certified_round_body(round_body(number, members), certs[number]))
                 rounds_sent[k] += 1
             else:
                 assert reporters[k].report_metrics(step=step, train_loss=2.0, tokens_per_s=50.0,
@@ -81,5 +85,6 @@ def test_sigkill_mid_stream_loses_nothing_acknowledged(tmp_path: Path) -> None:
         assert conn.execute("SELECT COUNT(*) FROM reports").fetchone()[0] == total
         assert conn.execute("SELECT COUNT(*) FROM metrics").fetchone()[0] == total - sum(rounds_sent)
         assert conn.execute("SELECT COUNT(*) FROM round_reports").fetchone()[0] == sum(rounds_sent)
+        assert conn.execute("SELECT COUNT(*) FROM rounds WHERE certificate IS NOT NULL").fetchone()[0] == len(certs)
     finally:
         conn.close()

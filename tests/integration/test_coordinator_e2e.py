@@ -233,20 +233,23 @@ def test_swarm_with_its_own_coordinator(procs: Procs, tmp_path: Path) -> None:
     for expected, got in zip(summary["rounds"], sorted(rounds, key=lambda r: r["round"]), strict=False):
         (state_hash,) = set(expected["hashes"].values())
         assert got["state_hash"] == state_hash, (expected, got)
-        assert sorted(got["members"]) == sorted(ids.values()) and len(got["members"]) == expected["members"]
-        assert sorted(got["reporters"]) == sorted(ids.values()), got  # every member reported, once
+        # the members a round's certificate names (a late peer may sit a round out)
+        assert set(got["members"]) <= set(ids.values()) and len(got["members"]) == expected["members"], got
+        assert got["certified"] and sorted(got["reporters"]) == sorted(got["members"]), got  # each member, once
         assert sorted(got["tokens"]) == sorted(expected["weights"]), (expected, got)
         assert got["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-3)
     peers = get(url, "/api/peers", run_id="e2e-a")["items"]
     assert sorted(p["peer_id"] for p in peers) == sorted(ids.values())
     for p in peers:
-        assert p["rounds_committed"] == 3 and p["tokens_total"] > 0 and p["device"], p
+        assert p["rounds_committed"] == sum(p["peer_id"] in r["members"] for r in rounds), p
+        assert p["rounds_committed"] >= 1 and p["tokens_total"] > 0 and p["device"], p
         assert p["last_train_loss"] is not None, p  # an eval-only sample must not blank the last training loss
         assert p["left_at"] is not None, p  # each peer said bye when it finished
 
     prom = get(url, "/metrics")
     assert 'swarmloco_rounds_total{outcome="committed"} 3.0' in prom, prom
-    assert "swarmloco_round_duration_seconds_count 9.0" in prom, prom  # 3 rounds x 3 members
+    reports = float(sum(len(r["members"]) for r in rounds))
+    assert f"swarmloco_round_duration_seconds_count {reports}" in prom, prom  # one per member and round
 
     status = subprocess.run(
         [sys.executable, "-m", "scripts.cli", "status", "--coordinator", url],

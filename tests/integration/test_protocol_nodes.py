@@ -1,22 +1,45 @@
 """The protocol over real hivemind nodes on 127.0.0.1 (p2pd included): split groups merging, a lying state donor."""
 from __future__ import annotations
 
+import dataclasses
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from hivemind.utils import get_dht_time
 
+from protocol.admission import Credentials, Gate, Ticket
 from protocol.averager import Averager
+from protocol.certificates import Head
 from protocol.hashing import hash_tensors
 from protocol.hooks import Hooks
+from protocol.identity import Identity, load_or_create_identity
 from protocol.matchmaking import Group
 from protocol.node import NetworkConfig, SwarmNode
-from protocol.records import PeerRecord
-from protocol.rounds import LocalModel, RoundConfig
+from protocol.records import PeerRecord, peers_key
+from protocol.rounds import LocalModel, RoundConfig, leader_rank
+from protocol.signed_records import seal
 from protocol.state_sync import ServedState, StateServer, StateSyncError, download_state
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 H1 = "1" * 64
+
+
+def _node(directory: Path, name: str, *, run_id: str, initial: tuple[str, ...] = (),
+          authority: Identity | None = None, **net: Any) -> SwarmNode:
+    """A real node with its own identity; with `authority`, a member of a permissioned run holding a ticket."""
+    identity = load_or_create_identity(directory / f"{name}.key")
+    credentials = Credentials(identity)
+    if authority is not None:
+        credentials.ticket = Ticket.issue(authority, run_id=run_id, peer_id=identity.peer_id).to_bytes()
+    gate = Gate(run_id, authority.peer_id if authority is not None else None)
+    config = NetworkConfig(run_id=run_id, host_maddrs=("/ip4/127.0.0.1/tcp/0",), initial_peers=initial,
+                           identity=str(directory / f"{name}.key"), **net)
+    node = SwarmNode(config, credentials=credentials, gate=gate)
+    node.start()
+    return node
 
 
 class _Liar(Hooks):
@@ -24,9 +47,9 @@ class _Liar(Hooks):
         return bytes(len(blob))
 
 
-def test_split_groups_below_quorum_merge() -> None:
+def test_split_groups_below_quorum_merge(tmp_path: Path) -> None:
     """Peers that saw different records formed two groups of 2 with quorum 4. Before, neither leader ever gave up
-    its members and the round timed out on all four; now the weaker leader merges into the stronger one."""
+    its members and the round timed out on all four; now the worse-ranked leader merges into the better one."""
     nodes: list[SwarmNode] = []
     visible: dict[str, set[str]] = {}
 
@@ -40,23 +63,19 @@ def test_split_groups_below_quorum_merge() -> None:
         return fetch
 
     try:
-        for _ in range(4):
+        for i in range(4):
             initial = tuple(nodes[0].visible_maddrs()) if nodes else ()
-            n = SwarmNode(
-                NetworkConfig(
-                    run_id="split", host_maddrs=("/ip4/127.0.0.1/tcp/0",), initial_peers=initial, heartbeat_s=0.5
-                )
-            )
-            n.start()
-            nodes.append(n)
+            nodes.append(_node(tmp_path, f"n{i}", run_id="split", initial=initial, heartbeat_s=0.5))
         cfg = RoundConfig(quorum=4, grace_min_s=0.0, grace_max_s=0.0, round_timeout_s=45)
-        averagers = [Averager(n, cfg, LocalModel(fingerprint="fp", config={}, numel=10)) for n in nodes]
-        ids = sorted(n.peer_id for n in nodes)
-        halves = [set(ids[0::2]), set(ids[1::2])]  # each half holds one of the two smallest ids: two leaders
+        model = LocalModel(fingerprint="fp", config={}, numel=10)
+        averagers = [Averager(n, cfg, model, credentials=n.credentials, gate=n.gate, genesis_hash=H1) for n in nodes]
+        ids = sorted((n.peer_id for n in nodes), key=lambda p: leader_rank(H1, p))
+        halves = [set(ids[0::2]), set(ids[1::2])]  # each half holds one of the two best-ranked ids: two leaders
         for n, averager in zip(nodes, averagers, strict=False):
             n.fetch_records = partitioned(n)  # type: ignore[method-assign]
             visible[n.peer_id] = next(h for h in halves if n.peer_id in h)
             averager.start()
+            averager.set_state(Head(0, H1))
             record = PeerRecord.announce(fingerprint="fp", config_json="{}", round=0, state_hash=H1, ready=True)
             n.update_record(**record.to_value())
         futures = [a.find_group(0, H1) for a in averagers]
@@ -69,7 +88,7 @@ def test_split_groups_below_quorum_merge() -> None:
         assert all(isinstance(g, Group) for g in groups)
         leaders = {g.leader for g in groups}
         assert len(leaders) == 1 and leaders.pop() == ids[0]
-        assert all(sorted(g.members) == ids for g in groups if g.is_leader)
+        assert all(sorted(g.members) == sorted(ids) for g in groups if g.is_leader)
         for a, g in zip(averagers, groups, strict=False):
             if g.is_leader:
                 a.transport.call(a._abort(g, "test over"), timeout=30)
@@ -79,7 +98,7 @@ def test_split_groups_below_quorum_merge() -> None:
         time.sleep(0.5)
 
 
-def test_download_rejects_lying_donor_and_uses_honest_one() -> None:
+def test_download_rejects_lying_donor_and_uses_honest_one(tmp_path: Path) -> None:
     """A poisoned state download fails the hash check; the joiner moves to another donor."""
     blob = torch.arange(50_000, dtype=torch.float32).numpy().tobytes()
 
@@ -89,20 +108,13 @@ def test_download_rejects_lying_donor_and_uses_honest_one() -> None:
     good_hash = verify(blob)
     nodes: list[SwarmNode] = []
     try:
-        first = SwarmNode(NetworkConfig(run_id="t", host_maddrs=("/ip4/127.0.0.1/tcp/0",)))
-        first.start()
+        first = _node(tmp_path, "first", run_id="t")
         nodes.append(first)
-        for _ in range(2):
-            n = SwarmNode(
-                NetworkConfig(
-                    run_id="t", host_maddrs=("/ip4/127.0.0.1/tcp/0",), initial_peers=tuple(first.visible_maddrs())
-                )
-            )
-            n.start()
-            nodes.append(n)
+        for i in range(2):
+            nodes.append(_node(tmp_path, f"n{i}", run_id="t", initial=tuple(first.visible_maddrs())))
         liar, honest, joiner = nodes
         for node, hooks in ((liar, _Liar()), (honest, None)):
-            server = StateServer(node, "fp", hooks=hooks)
+            server = StateServer(node, "fp", gate=node.gate, credentials=node.credentials, hooks=hooks)
             node.call(server.register(), timeout=30)
             server.publish(ServedState(round=7, state_hash=good_hash, blob=blob))
         kw = dict(round_number=7, state_hash=good_hash, total_bytes=len(blob), fingerprint="fp", verify=verify)
@@ -121,3 +133,40 @@ def test_download_rejects_lying_donor_and_uses_honest_one() -> None:
         for node in nodes:
             node.shutdown()
         time.sleep(0.5)
+
+
+def test_a_record_stored_under_another_peers_subkey_is_refused_by_the_dht(tmp_path: Path) -> None:
+    """The overwrite attack on real nodes: an admitted peer stores a forged round under an honest peer's subkey with
+    an hour's expiry. Every node of the run refuses the store, and everyone still reads the victim's own record."""
+    authority = Identity(path=tmp_path / "authority", private_key=Identity.generate())
+    nodes: list[SwarmNode] = []
+    try:
+        victim = _node(tmp_path, "victim", run_id="rw", authority=authority, heartbeat_s=0.5)
+        nodes.append(victim)
+        attacker = _node(tmp_path, "attacker", run_id="rw", authority=authority,
+                         initial=tuple(victim.visible_maddrs()))
+        reader = _node(tmp_path, "reader", run_id="rw", authority=authority, initial=tuple(victim.visible_maddrs()))
+        nodes += [attacker, reader]
+        record = PeerRecord.announce(fingerprint="fp", config_json="{}", round=3, state_hash=H1, work=30)
+        victim.update_record(**record.to_value())
+        _wait(lambda: victim.peer_id in reader.call(reader.fetch_records(timeout=5), timeout=10), "victim's record")
+        forged = dataclasses.replace(record, round=1001, work=10**12)
+        envelope = seal(attacker.credentials.identity, "rw", forged, attacker.credentials.ticket.decode(),
+                        get_dht_time() + 3600)
+        assert attacker.dht is not None
+        stored = attacker.dht.store(peers_key("rw"), envelope, get_dht_time() + 3600, subkey=victim.peer_id)
+        assert stored is False  # the attacker's own node refuses it already; so does every other node
+        time.sleep(2)
+        seen = reader.call(reader.fetch_records(timeout=5), timeout=10)
+        assert seen[victim.peer_id].round == 3 and seen[victim.peer_id].work == 30
+        assert victim.store_failures == 0  # the victim's own publishing still succeeds
+    finally:
+        for node in nodes:
+            node.shutdown()
+
+
+def _wait(predicate: Any, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.25)

@@ -1,5 +1,5 @@
 """HTTP API: ingest, listings, /metrics, /healthz, OpenAPI, and what it rejects: duplicates, forgeries, replays,
-schema abuse, pickles."""
+schema abuse, pickles. Every peer here holds a ticket (admission `open`), so only the report itself decides."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import requests
 from _coordinator_helpers import hello_body, make_identities, metrics_body, round_body, start_server
+from _ticket_helpers import admit_all, certificate, certified_round_body
 
 from coordinator.server import CoordinatorServer
 from protocol.identity import Identity
@@ -28,9 +29,10 @@ def ids(tmp_path_factory: pytest.TempPathFactory) -> list[Identity]:
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[CoordinatorServer]:
+def server(tmp_path: Path, ids: list[Identity]) -> Iterator[CoordinatorServer]:
     srv = start_server(tmp_path / "db.sqlite", run_id="run", max_past_s=600, max_future_s=30)
     try:
+        srv.tickets = admit_all(srv, ids, "run")  # type: ignore[attr-defined]
         yield srv
     finally:
         srv.stop()
@@ -50,12 +52,14 @@ def snapshot(server: CoordinatorServer) -> dict[str, list[tuple[Any, ...]]]:
 
 
 def test_ingest_and_listings(server: CoordinatorServer, ids: list[Identity]) -> None:
-    members = [i.peer_id for i in ids]
+    cert = certificate(ids, server.tickets, run_id="run", round=1)  # type: ignore[attr-defined]
+    members = list(cert.statement.members)
     for i in ids:
         assert post(server, build_report(i, "run", "hello", hello_body()).encode()).status_code == 200
         for step in range(3):
             assert post(server, build_report(i, "run", "metrics", metrics_body(step)).encode()).status_code == 200
-        assert post(server, build_report(i, "run", "round", round_body(1, members)).encode()).status_code == 200
+        body = certified_round_body(round_body(1, members), cert)
+        assert post(server, build_report(i, "run", "round", body).encode()).status_code == 200
     assert (
         post(
             server,
@@ -76,7 +80,7 @@ def test_ingest_and_listings(server: CoordinatorServer, ids: list[Identity]) -> 
     assert len(peers) == 3 and all(p["online"] and p["device"] == "cpu" for p in peers)
     rounds = get("/api/rounds", run_id="run")["items"]
     assert [(r["round"], r["outcome"]) for r in rounds] == [(1, "committed"), (2, "discarded")]
-    assert rounds[0]["members"] == members and len(rounds[0]["state_hash"]) == 64
+    assert rounds[0]["members"] == members and len(rounds[0]["state_hash"]) == 64 and rounds[0]["certified"]
     assert rounds[1]["failure_reasons"] == ["peer left mid all-reduce"]
     assert len(get("/api/rounds", peer_id=ids[2].peer_id)["items"]) == 1
     page = get("/api/metrics", run_id="run", peer_id=ids[1].peer_id, limit=2)
@@ -92,7 +96,8 @@ def test_ingest_and_listings(server: CoordinatorServer, ids: list[Identity]) -> 
     assert "swarmloco_tokens_total 1536.0" in text
     assert requests.get(server.url + "/healthz", timeout=10).json()["status"] == "ok"
     schema = requests.get(server.url + "/openapi.json", timeout=10).json()
-    assert {"/api/runs", "/api/peers", "/api/rounds", "/api/metrics", "/api/reports"} <= set(schema["paths"])
+    assert {"/api/runs", "/api/peers", "/api/rounds", "/api/metrics", "/api/reports", "/api/authority",
+            "/api/tickets", "/api/revocations"} <= set(schema["paths"])
     html = requests.get(server.url + "/", timeout=10)
     assert html.status_code == 200 and "chart.umd.min.js" in html.text
 
@@ -159,7 +164,7 @@ REJECTED: dict[str, tuple[Callable[[list[Identity]], bytes], int]] = {
     "huge value": (_signed_raw(lambda o: o["body"].update(tokens_total=10**40)), 400),
     "extra body field": (_signed_raw(lambda o: o["body"].update(admin=True)), 400),
     "extra envelope field": (_signed_raw(lambda o: o.update(role="root")), 400),
-    "oversized body": (_signed_raw(lambda o: o["body"].update(pad="x" * 70_000)), 413),
+    "oversized body": (_signed_raw(lambda o: o["body"].update(pad="x" * 140_000)), 413),
     "unknown run id format": (_signed_raw(lambda o: o.update(run_id="a/b")), 400),
     "not json": (lambda ids: b"{{{", 400),
     "empty": (lambda ids: b"", 400),

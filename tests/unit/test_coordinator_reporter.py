@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from _coordinator_helpers import make_identities, round_body, start_server
+from _ticket_helpers import admit, certificate
 
 from peer.reporting import Reporter, ReporterConfig
 from protocol.identity import Identity
@@ -38,13 +39,16 @@ def _metrics(reporter: Reporter, n: int, start: int = 0) -> float:
 
 def test_delivers_everything_in_order(tmp_path: Path, ids: list[Identity]) -> None:
     server = start_server(tmp_path / "db.sqlite", run_id="r")
+    ticket = admit(server, ids[0], "r")
+    cert = certificate([ids[0]], {ids[0].peer_id: ticket.to_bytes().decode()}, run_id="r", round=1)
     acked: list[tuple[Report, int]] = []
     reporter = Reporter(server.url, ids[0], "r", config=FAST, on_result=lambda r, s: acked.append((r, s))).start()
     try:
         reporter.hello(version="1", device="cpu", memory_bytes=1, tokens_per_s=5.0)
         _metrics(reporter, 20)
-        reporter.report_round(round=0, members=[ids[0].peer_id], tokens=[10], state_hash="ab" * 8, train_s=1,
-                              wait_s=0, average_s=0.1, outcome="committed", eval_loss=float("nan"))
+        reporter.report_round(round=1, members=[ids[0].peer_id], tokens=[10], state_hash=cert.statement.new_hash,
+                              train_s=1, wait_s=0, average_s=0.1, outcome="committed", eval_loss=float("nan"),
+                              certificate=cert.to_bytes().decode())
         assert reporter.close(timeout=10) == 0
         assert all(s == 200 for _, s in acked) and len(acked) == 23  # + bye
         counts = server.store.counts()
@@ -68,6 +72,7 @@ def test_invalid_input_is_dropped_not_raised(tmp_path: Path, ids: list[Identity]
 
 def test_coordinator_down_then_up(tmp_path: Path, ids: list[Identity]) -> None:
     server = start_server(tmp_path / "db.sqlite", run_id="r")
+    admit(server, ids[0], "r")  # the ticket is in the database: it still holds after the restart
     port = server.port
     server.stop()  # down before the peer even starts
     reporter = Reporter(f"http://127.0.0.1:{port}", ids[0], "r", config=FAST).start()

@@ -8,16 +8,20 @@ from typing import Any
 
 import pytest
 from _coordinator_helpers import hello_body, make_identities, metrics_body, round_body
+from _ticket_helpers import certificate, certified_round_body
 
 from coordinator.migrations import MIGRATIONS
 from coordinator.store import SQLiteStore, StoreError
+from protocol.certificates import Certificate
 from protocol.reports import Report, build_report, content_hash
 
 pytestmark = pytest.mark.timeout(30)
 
 
-def _add(store: SQLiteStore, report: Report) -> dict[str, Any]:
-    return store.add_report(report, content_hash=content_hash(report.to_json()), received_at=report.timestamp).response
+def _add(store: SQLiteStore, report: Report, cert: Certificate | None = None, **kw: Any) -> dict[str, Any]:
+    """Store a report; `cert` stands for a certificate the service verified (the store trusts its caller)."""
+    return store.add_report(report, content_hash=content_hash(report.to_json()), received_at=report.timestamp,
+                            certificate=cert, **kw).response
 
 
 def test_pragmas_and_migrations(tmp_path: Path) -> None:
@@ -47,15 +51,17 @@ def test_newer_schema_and_damaged_files_are_refused(tmp_path: Path) -> None:
 def test_ingest_is_idempotent_and_persistent(tmp_path: Path) -> None:
     (a, b) = make_identities(tmp_path / "ids", 2)
     store = SQLiteStore(tmp_path / "db.sqlite")
+    cert = certificate([a, b], {}, run_id="run", round=1)
+    committed = certified_round_body(round_body(1, [a.peer_id, b.peer_id]), cert)
     reports = [
-        build_report(a, "run", "hello", hello_body()),
-        build_report(a, "run", "metrics", metrics_body(1)),
-        build_report(a, "run", "round", round_body(1, [a.peer_id, b.peer_id])),
-        build_report(b, "run", "round", round_body(1, [a.peer_id, b.peer_id])),
-        build_report(b, "run", "round", round_body(2, [b.peer_id], outcome="discarded", failure_reason="x")),
+        (build_report(a, "run", "hello", hello_body()), None),
+        (build_report(a, "run", "metrics", metrics_body(1)), None),
+        (build_report(a, "run", "round", committed), cert),
+        (build_report(b, "run", "round", committed), cert),
+        (build_report(b, "run", "round", round_body(2, [b.peer_id], outcome="discarded", failure_reason="x")), None),
     ]
-    answers = [_add(store, r) for r in reports]
-    again = [_add(store, r) for r in reports]
+    answers = [_add(store, r, c) for r, c in reports]
+    again = [_add(store, r, c) for r, c in reports]
     assert answers == again
     counts = store.counts()
     assert counts["reports"] == 5 and counts["metrics"] == 1 and counts["rounds"] == 2
@@ -66,6 +72,7 @@ def test_ingest_is_idempotent_and_persistent(tmp_path: Path) -> None:
     assert [r["round"] for r in rounds] == [1, 2]
     assert sorted(rounds[0]["reporters"]) == sorted([a.peer_id, b.peer_id])
     assert rounds[1]["state_hash"] is None and rounds[1]["failure_reasons"] == ["x"]
+    assert rounds[0]["certified"] and not rounds[1]["certified"]
     assert store.rounds_by_outcome() == {"committed": 1, "discarded": 1}
     assert store.round_duration_histogram([1.0, 4.75, 100.0]) == ([0, 3, 3], 3, 3 * 4.75)
     peers = {p["peer_id"]: p for p in store.list_peers(run_id="run", peer_id=None, limit=10, cursor=None,
@@ -83,12 +90,14 @@ def test_failed_ingest_writes_nothing(tmp_path: Path, monkeypatch: pytest.Monkey
     def boom(*_: object) -> None:
         raise RuntimeError("disk on fire")
 
+    cert = certificate([a], {}, run_id="run", round=1)
+    body = certified_round_body(round_body(1, [a.peer_id]), cert)
     monkeypatch.setattr(store, "_apply_round", boom)
     with pytest.raises(RuntimeError):
-        _add(store, build_report(a, "run", "round", round_body(1, [a.peer_id])))
+        _add(store, build_report(a, "run", "round", body), cert)
     assert store.counts() == before
     monkeypatch.undo()
-    _add(store, build_report(a, "run", "round", round_body(1, [a.peer_id])))
+    _add(store, build_report(a, "run", "round", body), cert)
     assert store.counts()["rounds"] == 1
     store.close()
 
@@ -112,4 +121,29 @@ def test_pagination_and_filters(tmp_path: Path) -> None:
     desc = store.list_metrics(run_id=None, peer_id=None, limit=3, cursor=None, descending=True)
     assert desc.items[0]["run_id"] == "other" and desc.next_cursor == desc.items[-1]["id"]
     assert {r["run_id"] for r in store.list_runs(limit=10, cursor=None, descending=False).items} == {"run", "other"}
+    store.close()
+
+
+def test_migration_keeps_old_rounds_as_uncertified_claims(tmp_path: Path) -> None:
+    (a,) = make_identities(tmp_path / "ids", 1)
+    db = tmp_path / "old.sqlite"
+    conn = sqlite3.connect(db)
+    conn.executescript(f"{MIGRATIONS[0]}\nPRAGMA user_version=1;")
+    conn.execute("INSERT INTO runs VALUES ('run', 1.0, 1.0)")
+    conn.execute("INSERT INTO peers(run_id, peer_id, joined_at, last_seen) VALUES ('run', ?, 1.0, 1.0)", (a.peer_id,))
+    conn.execute("INSERT INTO reports(peer_id, nonce, run_id, kind, timestamp, received_at, content_hash, body, "
+                 "response) VALUES (?, 'ab', 'run', 'round', 1.0, 1.0, 'h', '{}', '{}')", (a.peer_id,))
+    conn.execute("INSERT INTO rounds(run_id, round, outcome, state_hash, members, tokens, first_reported_at) "
+                 "VALUES ('run', 1, 'committed', ?, ?, '[5]', 1.0)", ("ab" * 32, f'["{a.peer_id}"]'))
+    conn.commit()
+    conn.close()
+    store = SQLiteStore(db)
+    [old] = store.list_rounds(run_id="run", peer_id=None, limit=10, cursor=None, descending=False).items
+    assert old["outcome"] == "committed" and not old["certified"]
+    assert store._conn.execute("SELECT stored_reports FROM peers").fetchone()[0] == 1  # counted at migration
+    # a certificate for that round later certifies the same row, with what its members signed
+    cert = certificate([a], {}, run_id="run", round=1, new_hash="ab" * 32)
+    _add(store, build_report(a, "run", "round", certified_round_body(round_body(1, [a.peer_id]), cert)), cert)
+    [row] = store.list_rounds(run_id="run", peer_id=None, limit=10, cursor=None, descending=False).items
+    assert row["id"] == old["id"] and row["certified"] and row["tokens"] == [1000]
     store.close()

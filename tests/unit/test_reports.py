@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 from _coordinator_helpers import hello_body, make_identities, metrics_body, round_body
 
-from protocol.identity import Identity
+from protocol.identity import Identity, peer_id_from_public_key
 from protocol.reports import (
+    MAX_CERTIFICATE_CHARS,
     MAX_MEMBERS,
     MAX_REPORT_BYTES,
     ReportError,
@@ -142,6 +143,8 @@ def test_schema_abuse_is_rejected(ids: list[Identity], mutate: Callable[[dict[st
         (lambda b: b.update(state_hash="XYZ"), "hex"),
         (lambda b: b.update(failure_reason="x" * 5000), "at most"),
         (lambda b: b.update(train_s=float("nan")), "finite"),
+        (lambda b: b.update(certificate="x" * (MAX_CERTIFICATE_CHARS + 1)), "at most"),
+        (lambda b: b.update(certificate={"statement": {}}), "string"),
         (
             lambda b: b.update(
                 members=["p" * 40 + str(i) for i in range(MAX_MEMBERS + 1)], tokens=[1] * (MAX_MEMBERS + 1)
@@ -176,3 +179,14 @@ def test_not_json_nan_oversize_and_pickle(ids: list[Identity]) -> None:
     deep = b"[" * 5000 + b"]" * 5000
     with pytest.raises(ReportError):
         parse_report(deep)
+
+
+def test_certificate_round_trips_and_the_largest_round_report_fits(ids: list[Identity]) -> None:
+    body = {**round_body(1, [i.peer_id for i in ids]), "certificate": '{"statement":{}}'}
+    assert parse_report(build_report(ids[0], "r", "round", body).encode()).body["certificate"] == body["certificate"]
+    members = [peer_id_from_public_key(Identity.generate().public_key()) for _ in range(MAX_MEMBERS)]
+    worst = {**round_body(1, members), "tokens": [2**53] * MAX_MEMBERS, "failure_reason": "\u00e9" * 1000,
+             "certificate": '"' * MAX_CERTIFICATE_CHARS}  # every char escaped once more inside the report
+    raw = build_report(ids[0], "r", "round", worst).encode()
+    assert len(raw) <= MAX_REPORT_BYTES
+    assert parse_report(raw).body["certificate"] == worst["certificate"]

@@ -6,7 +6,7 @@ import torch
 from _records import H1, H2, rec
 
 from protocol import swarmloco_wire_pb2 as pb
-from protocol.matchmaking import admit
+from protocol.groups import admit
 from protocol.records import PROTOCOL_VERSION
 from protocol.rounds import (
     MAX_TOKENS,

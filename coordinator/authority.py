@@ -1,0 +1,197 @@
+"""The coordinator as the run's authority: it issues admission tickets, keeps the revocation list, and decides
+which peers' reports and which signers' certificates count.
+
+Order of checks for one ticket request (each either passes or answers and changes nothing):
+size, JSON and schema (413/400) -> signature by the key in ``peer_id`` (401) -> timestamp window (422) ->
+run id (403) -> revoked (403) -> admission policy (403) -> a known ``(peer_id, nonce)``: the same request gets its
+ticket again, a different one is a replay (409) -> a peer that got a ticket moments ago gets that one back (no new
+row) -> in ``open`` mode a peer holding no valid ticket spends a token of its address and of the global bucket
+(429): new identities cost nothing, so this is the only bound on how fast anyone mints them -> a new ticket (200).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from coordinator.limits import RateLimiter
+from coordinator.store import Store
+from coordinator.store_authority import IssuedTicket
+from protocol.admission import AdmissionPolicy, Gate, Revocations, Ticket
+from protocol.identity import Identity
+from protocol.ticket_request import MAX_AGE_S, MAX_AHEAD_S, TicketRequestError, parse_ticket_request
+
+__all__ = ["Answer", "Authority", "AuthorityConfig"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Answer:
+    """An HTTP status and JSON body for one call."""
+
+    status: int
+    body: dict[str, Any]
+
+
+def _refuse(status: int, message: str) -> Answer:
+    return Answer(status=status, body={"error": message})
+
+
+@dataclass(frozen=True, kw_only=True)
+class AuthorityConfig:
+    """Whom the authority gives tickets, and how fast."""
+
+    policy: AdmissionPolicy = field(default_factory=AdmissionPolicy)
+    new_per_address_per_h: float = 60.0  # open mode: new tickets one client address may obtain per hour
+    new_per_address_burst: float = 30.0
+    new_global_per_h: float = 1200.0  # open mode: new tickets for everyone together per hour
+    new_global_burst: float = 200.0
+    # A peer asking again this soon (at most an eighth of the lifetime) gets its current ticket back, and nothing
+    # is written: renewals are cheap, a peer looping on requests is not.
+    reuse_s: float = 60.0
+    report_grace_s: float = 300.0  # reports still land this long after a ticket expired (a renewal in flight)
+    keep_expired_s: float = 7 * 86400.0  # the ledger forgets tickets that expired longer ago than this
+
+    def __post_init__(self) -> None:
+        for name in ("new_per_address_per_h", "new_global_per_h"):
+            if not 0 < getattr(self, name) <= 1e6:
+                raise ValueError(f"{name} must be in (0, 1e6], got {getattr(self, name)}")
+        for name in ("new_per_address_burst", "new_global_burst"):
+            if not 1 <= getattr(self, name) <= 1e6:
+                raise ValueError(f"{name} must be in [1, 1e6], got {getattr(self, name)}")
+        if not 0 <= self.reuse_s <= 3600:
+            raise ValueError(f"reuse_s must be in [0, 3600], got {self.reuse_s}")
+        if not 0 <= self.report_grace_s <= 86400:
+            raise ValueError(f"report_grace_s must be in [0, 86400], got {self.report_grace_s}")
+        if not 0 <= self.keep_expired_s <= 366 * 86400:
+            raise ValueError(f"keep_expired_s must be in [0, 366 days], got {self.keep_expired_s}")
+
+
+class Authority:
+    """Issues tickets signed by ``identity`` for ``run_id`` and answers who is admitted; owns no sockets."""
+
+    def __init__(self, store: Store, identity: Identity, run_id: str, config: AuthorityConfig, *,
+                 clock: Callable[[], float] = time.time, max_future_s: float = MAX_AHEAD_S) -> None:
+        self.store, self.identity, self.run_id, self.config, self.clock = store, identity, run_id, config, clock
+        self.max_future_s = max_future_s
+        self._per_address = RateLimiter(config.new_per_address_per_h / 3600, config.new_per_address_burst)
+        self._global = RateLimiter(config.new_global_per_h / 3600, config.new_global_burst, max_keys=1)
+        self._issue_lock = threading.Lock()  # check-then-write of one peer's tickets must not interleave
+        self._cache_lock = threading.Lock()
+        self._revoked: tuple[int, frozenset[str]] = (-1, frozenset())
+        self._signed: tuple[int, dict[str, Any]] | None = None
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id
+
+    @property
+    def mode(self) -> str:
+        return self.config.policy.mode
+
+    def info(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "authority": self.peer_id, "admission": self.mode}
+
+    # -- tickets ---------------------------------------------------------------------------------------------
+
+    def request_ticket(self, raw: bytes, *, client: str) -> Answer:
+        """Answer one signed ticket request; never raises for bad input."""
+        now = self.clock()
+        try:
+            request = parse_ticket_request(raw)
+        except TicketRequestError as e:
+            return _refuse(e.status, str(e))
+        late = request.clock_problem(now, max_age_s=MAX_AGE_S, max_ahead_s=self.max_future_s)
+        if late:
+            return _refuse(422, late)
+        if request.run_id != self.run_id:
+            return _refuse(403, f"this coordinator issues tickets for run {self.run_id!r}, not {request.run_id!r}")
+        if self.store.is_revoked(request.peer_id):
+            return _refuse(403, "peer is revoked by the run's authority")
+        refusal = self.config.policy.refusal(request.peer_id, request.invite)
+        if refusal:
+            return _refuse(403, refusal)
+        with self._issue_lock:
+            known = self.store.find_ticket_request(request.peer_id, request.nonce)
+            if known is not None:
+                if known.request_hash != request.digest():
+                    return _refuse(409, "nonce already used by this peer for a different ticket request (replay "
+                                        "refused); sign a new request with a fresh nonce")
+                return self._granted(known)
+            current = self.store.latest_ticket(self.run_id, request.peer_id)
+            holds = current is not None and current.expires_at > now
+            if holds and current is not None and current.role == request.role \
+                    and now - current.issued_at < min(self.config.reuse_s, self.config.policy.ticket_s / 8):
+                return self._granted(current)
+            if self.mode == "open" and not holds:
+                if not self._per_address.allow(client, now):
+                    wait = self._per_address.wait_s(client, now)
+                    return _refuse(429, f"too many new tickets for this address; retry in {wait:.0f}s")
+                if not self._global.allow("*", now):
+                    wait = self._global.wait_s("*", now)
+                    return _refuse(429, f"too many new tickets issued lately; retry in {wait:.0f}s")
+            ticket = Ticket.issue(self.identity, run_id=self.run_id, peer_id=request.peer_id, role=request.role,
+                                  lifetime_s=self.config.policy.ticket_s, now=now)
+            issued = IssuedTicket(run_id=self.run_id, peer_id=request.peer_id, role=request.role,
+                                  issued_at=ticket.issued_at, expires_at=ticket.expires_at, nonce=request.nonce,
+                                  request_hash=request.digest(), client=client[:64], ticket=ticket.to_bytes().decode())
+            self.store.add_ticket(issued, prune_expired_before=now - self.config.keep_expired_s)
+        logger.info("issued a %s ticket to %s (%s), valid until %.0f", request.role, request.peer_id, client,
+                    ticket.expires_at)
+        return self._granted(issued)
+
+    def _granted(self, issued: IssuedTicket) -> Answer:
+        return Answer(status=200, body={"ticket": issued.ticket, "issued_at": issued.issued_at,
+                                        "expires_at": issued.expires_at, "authority": self.peer_id,
+                                        "run_id": issued.run_id})
+
+    # -- revocations -----------------------------------------------------------------------------------------
+
+    def revoked(self) -> tuple[int, frozenset[str]]:
+        """The list's serial and the revoked peer ids; re-read only when another process changed them."""
+        serial = self.store.revocation_serial()
+        with self._cache_lock:
+            if self._revoked[0] == serial:
+                return self._revoked
+        fresh = self.store.revoked()
+        with self._cache_lock:
+            self._revoked = fresh
+        return fresh
+
+    def revocations(self) -> dict[str, Any]:
+        """The current revocation list signed by the authority, as published (``Revocations.to_value()``)."""
+        serial, ids = self.revoked()
+        with self._cache_lock:
+            if self._signed is not None and self._signed[0] == serial:
+                return self._signed[1]
+        value = Revocations.issue(self.identity, run_id=self.run_id, serial=serial, peer_ids=ids,
+                                  now=self.clock()).to_value()
+        with self._cache_lock:
+            self._signed = (serial, value)
+        return value
+
+    # -- who counts ------------------------------------------------------------------------------------------
+
+    def report_refusal(self, peer_id: str, run_id: str) -> str:
+        """Why reports of ``peer_id`` for ``run_id`` are refused ("" when they are accepted)."""
+        if peer_id in self.revoked()[1]:
+            return "peer is revoked by the run's authority; its reports are refused"
+        if self.mode == "none":
+            return ""
+        expiry = self.store.ticket_expiry(run_id, peer_id)
+        if expiry is None or self.clock() >= expiry + self.config.report_grace_s:
+            what = "no ticket" if expiry is None else "no valid ticket"
+            return (f"{what} for run {run_id!r} from this coordinator: request one with POST /api/tickets "
+                    f"(and renew it before it expires)")
+        return ""
+
+    def gate(self, run_id: str) -> Gate:
+        """How a commit certificate's signers are checked: tickets from this authority, minus revoked peers."""
+        if self.mode == "none":
+            return Gate(run_id, None)
+        serial, ids = self.revoked()
+        return Gate(run_id, self.peer_id, revoked=ids, serial=serial, clock=self.clock)
