@@ -41,6 +41,7 @@ from protocol.rounds import (
     active_count,
     compatible,
     grace_over,
+    leader_rank,
     pick_leader,
 )
 from protocol.transport import Transport
@@ -48,6 +49,8 @@ from protocol.wire import WireError, close_writer, read_frame, write_frame
 
 logger = logging.getLogger(__name__)
 POLL_S = 0.25  # a leader re-reads the records this often while it waits for members (a join wakes it at once)
+LONE_S = 1.0  # a best-ranked leader nobody joined looks for a group already forming after this long
+STALL_SKIP_ROUNDS = 3  # a leader that held us until our round timed out is skipped this many round timeouts
 
 
 # How long a leader that turned us down is skipped, by its answer.
@@ -78,6 +81,7 @@ class _Attempt:
     skip: dict[str, float] = field(default_factory=dict)  # leader -> monotonic time until which we do not ask it
     quorum_at: float | None = None  # when our own group first reached the size it needs
     swarm: int = 1  # active peers in our latest view (a group must be a majority of them)
+    alone_since: float | None = None  # when we began leading with nobody joined
     merge_into: str | None = None  # the stronger leader we saw last time, and how many times in a row
     merge_seen: int = 0
 
@@ -110,6 +114,9 @@ class Matchmaker:
         self.round, self.state_hash = 0, ""
         self.refusals: list[str] = []  # why other peers refused us: each reason is logged once
         self._collect: _Collecting | None = None
+        # Leaders that accepted us and then never closed the group: skipped across rounds for a while. The leader
+        # order only changes with the state, so without this one stalling leader would hold every retry.
+        self._stalled: dict[str, float] = {}
 
     async def register(self) -> None:
         await self.transport.add_handler(self.handler_name, self._handle_join)
@@ -149,7 +156,7 @@ class Matchmaker:
                 # Joining someone else: stop admitting members to a group of ours we would never close (it is
                 # empty here: with members we only leave through a merge, which has released them already).
                 self._abandon()
-                attempt.quorum_at = None
+                attempt.quorum_at = attempt.alone_since = None
                 joined = await self._try_join(leader, attempt)
                 if isinstance(joined, Group):
                     return joined
@@ -165,11 +172,17 @@ class Matchmaker:
     def _choose_leader(self, attempt: _Attempt, here: dict[str, PeerRecord]) -> str:
         now = time.monotonic()
         attempt.skip = {p: t for p, t in attempt.skip.items() if t > now}
-        candidates = [p for p, r in here.items() if r.ready and p not in attempt.skip]
+        self._stalled = {p: t for p, t in self._stalled.items() if t > now}
+        candidates = [p for p, r in here.items() if r.ready and p not in attempt.skip and p not in self._stalled]
         members = len(self._collect.members) if self._collect is not None else 0
-        leader = pick_leader(self.transport.peer_id, members, candidates, needed=need(attempt.swarm, self.cfg.quorum),
+        me = self.transport.peer_id
+        leader = pick_leader(me, members, candidates, needed=need(attempt.swarm, self.cfg.quorum),
                              state_hash=attempt.state_hash)
-        if leader == self.transport.peer_id or not members:
+        if leader == me and not members:
+            leader = self._rescue_lone_leader(attempt, here, candidates, now)
+        else:
+            attempt.alone_since = None
+        if leader == me or not members:
             attempt.merge_into, attempt.merge_seen = None, 0
             return leader
         # A better-ranked leader while we lead a group below the size it needs: a split. Merge once it is seen twice
@@ -179,6 +192,22 @@ class Matchmaker:
         logger.info("round %d: merging my %d member(s) into %s's group", attempt.round, members, leader[-8:])
         self._abandon()
         return leader
+
+    def _rescue_lone_leader(self, attempt: _Attempt, here: dict[str, PeerRecord], candidates: list[str],
+                            now: float) -> str:
+        """We rank first but nobody joined us (the others tried us before we were collecting, and gathered around the
+        next in rank). After a short wait we join the best-ranked group already forming rather than sit alone while
+        it closes without us. This is the only place a record's `leading` count matters, and only for a peer that
+        leads nobody: a false count can attract lone peers to a leader that then stalls, never make it lead."""
+        me = self.transport.peer_id
+        if attempt.alone_since is None:
+            attempt.alone_since = now
+        if now - attempt.alone_since < min(LONE_S, self.cfg.grace_max_s / 2):
+            return me
+        forming = [p for p in candidates if here[p].leading > 0]
+        if not forming:
+            return me
+        return min(forming, key=lambda p: (leader_rank(attempt.state_hash, p), p))
 
     async def _lead(self, attempt: _Attempt, here: dict[str, PeerRecord]) -> Group | None:
         """One look as leader: close the group if quorum and grace allow, else wait for a join or the next poll."""
@@ -279,9 +308,16 @@ class Matchmaker:
                 link.close()
                 return _SKIP_UNADMITTED_LEADER_S
             self.transport.update_record(leading=0)
-            closed, _ = await read_frame(
-                reader, pb.GroupClosed, max_payload=0, timeout=max(1.0, attempt.deadline - time.monotonic())
-            )
+            try:
+                closed, _ = await read_frame(
+                    reader, pb.GroupClosed, max_payload=0, timeout=max(1.0, attempt.deadline - time.monotonic())
+                )
+            except WireError:
+                if time.monotonic() >= attempt.deadline - 0.5:
+                    self._stalled[leader] = time.monotonic() + STALL_SKIP_ROUNDS * self.cfg.round_timeout_s
+                    logger.warning("round %d: leader %s accepted us but never closed its group; skipping it for the "
+                                   "next rounds", attempt.round, leader[-8:])
+                raise
             if (
                 closed.round != attempt.round
                 or closed.codec != self.cfg.codec

@@ -20,10 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from protocol.identity import load_or_create_identity
 from protocol.outcome import Outcome
 
 logger = logging.getLogger(__name__)
 PR_SET_CHILD_SUBREAPER = 36
+AUTHORITY_KEY = "authority.key"  # a local swarm without a coordinator: the run's authority key, in --workdir
 
 
 def add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
@@ -146,16 +148,11 @@ def _peer_argv(
         "-m",
         "scripts.cli",
         "peer",
-        "--preset",
-        args.preset,
-        "--max-rounds",
-        str(args.rounds),
-        "--inner-steps",
-        str(args.inner_steps),
-        "--quorum",
-        str(quorum),
-        "--codec",
-        args.codec,
+        "--preset", args.preset,
+        "--max-rounds", str(args.rounds),
+        "--inner-steps", str(args.inner_steps),
+        "--quorum", str(quorum),
+        "--codec", args.codec,
         "--workdir",
         str(workdir),
         "--shard-index",
@@ -182,7 +179,10 @@ def _peer_argv(
         str(args.peers),
     ]
     if coordinator_url:
-        argv += ["--coordinator", coordinator_url]
+        argv += ["--coordinator", coordinator_url]  # the coordinator is the run's authority and issues tickets
+    else:
+        # No coordinator: the launcher holds the run's authority key, and every local peer signs its own ticket.
+        argv += ["--authority-key", str(workdir.parent / AUTHORITY_KEY)]
     for maddr in bootstrap:
         argv += ["--initial-peer", maddr]
     return argv + list(args.peer_arg)
@@ -279,6 +279,7 @@ def run_swarm(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM too must reach the cleanup below
     root = Path(args.workdir)
     root.mkdir(parents=True, exist_ok=True)
+    load_or_create_identity(root / AUTHORITY_KEY)  # before any peer reads it
     threads = args.threads or max(1, (os.cpu_count() or 2) // args.peers)
     env = dict(
         os.environ,

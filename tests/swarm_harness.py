@@ -90,6 +90,7 @@ class Swarm:
         resume: bool = False,
         wait_for: int = 0,
         admitted: bool = True,
+        bootstrap: list[str] | None = None,
     ) -> PeerProc:
         workdir = self.workdir / name
         argv = [
@@ -123,7 +124,7 @@ class Swarm:
         if identity is not None:
             argv += ["--identity", str(identity)]
         argv += ["--authority-key", str(self.authority_key)] if admitted else ["--authority", self.authority]
-        for maddr in self.bootstrap:
+        for maddr in self.bootstrap if bootstrap is None else bootstrap:
             argv += ["--initial-peer", maddr]
         peer = self.peers.get(name) or PeerProc(len(self.peers), workdir, argv)
         peer.argv = argv

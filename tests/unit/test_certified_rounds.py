@@ -205,3 +205,33 @@ def test_a_leader_that_understates_the_swarm_is_not_followed(net: FakeNetwork) -
         member.find_group(0, H0).result(timeout=10)
     lead.cancel()
     assert member.head == Head(0, H0)
+
+
+def test_a_leader_that_holds_its_members_is_skipped_in_the_next_rounds(net: FakeNetwork) -> None:
+    """A best-ranked peer accepts every join and never closes. The leader order only changes with the state, so
+    before this the retries of every round went to it again; members it held now skip it for a few rounds."""
+    honest = peers(net, 3, quorum=3)
+    staller = net.peer()
+    while by_rank([*honest, averager_for(staller, quorum=3)])[0].transport is not staller:
+        staller = net.peer()  # it ranks first for θ_0
+    held: list[str] = []
+
+    async def hold(caller: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        from protocol import swarmloco_wire_pb2 as pb
+        from protocol.wire import read_frame, write_frame
+
+        await read_frame(reader, pb.JoinRequest, max_payload=0, timeout=1)
+        held.append(caller)
+        await write_frame(writer, pb.JoinReply(status=pb.JoinReply.ACCEPTED), timeout=1)
+        await asyncio.sleep(60)
+
+    net.call(staller.add_handler(honest[0].matchmaker.handler_name, hold), timeout=5)  # type: ignore[union-attr]
+    announce(staller)
+    first = [a.find_group(0, H0) for a in honest]
+    for f in first:
+        with pytest.raises(RoundAborted):
+            f.result(timeout=15)
+    assert held
+    results, _ = _round_of(honest)
+    assert [r.outcome for r in results] == [Outcome.COMMITTED] * 3
+    assert staller.peer_id not in {r.leader for r in results}

@@ -1,0 +1,294 @@
+"""Attacks on the swarm's state by hostile peers built from the project's own code, against real honest peers.
+
+One swarm of three honest peers meets, at once: an admitted peer that claims round 1001 and serves its own random
+state without a certificate; an admitted peer that claims round 2002 and serves a NaN state under a forged
+certificate (its own signature and a key the authority never admitted); an admitted peer that claims to lead 9999
+members; an attempt to overwrite an honest peer's record; and peers without a ticket, with an expired one and with
+a revoked one, each asking every honest peer to join its group and to send its state. A second swarm is split
+2+2, certifies rounds on both sides, and heals into one chain.
+
+Each test ends with the honest peers on one certified hash with finite parameters. On the code before tickets,
+signed records and certificates, the first swarm adopts round 1001's state (or stops at it, past --max-rounds) and
+follows the claimed leader; the split swarm commits two histories and keeps them apart.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import hivemind
+import pytest
+import torch
+from hivemind.utils import get_dht_time
+from swarm_harness import Swarm, assert_no_split, genesis_hash
+
+from protocol import swarmloco_wire_pb2 as pb
+from protocol.admission import Credentials, Gate, Revocations, Ticket
+from protocol.certificates import Certificate, Statement
+from protocol.identity import Identity, load_or_create_identity
+from protocol.node import NetworkConfig, SwarmNode
+from protocol.records import PROTOCOL_VERSION, PeerRecord, peers_key, revocations_key
+from protocol.signed_records import seal
+from protocol.state_sync import ServedState, StateServer, state_handler
+from protocol.wire import close_writer, read_frame, write_frame
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+HONEST = ["a", "b", "c"]
+
+
+@pytest.fixture
+def swarm(tmp_path: Path) -> Iterator[Swarm]:
+    s = Swarm(tmp_path)
+    try:
+        yield s
+    finally:
+        s.close()
+        s.assert_nothing_left()
+
+
+def _fingerprint(swarm: Swarm) -> str:
+    """The honest peers' model fingerprint, read from a peer's own record."""
+    reader = _node(swarm, "fingerprint-reader", ticket=_ticket(swarm, "fingerprint-reader"))
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            records = reader.call(reader.fetch_records(timeout=5), timeout=10)
+            if records:
+                return next(iter(records.values())).fingerprint
+            time.sleep(0.5)
+        raise AssertionError("no honest record seen")
+    finally:
+        reader.shutdown()
+
+
+def _key(swarm: Swarm, name: str) -> Identity:
+    return load_or_create_identity(swarm.workdir / f"{name}.key")
+
+
+def _ticket(swarm: Swarm, name: str, **kw: Any) -> bytes:
+    authority = load_or_create_identity(swarm.authority_key)
+    return Ticket.issue(authority, run_id=swarm.run_id, peer_id=_key(swarm, name).peer_id, **kw).to_bytes()
+
+
+def _node(swarm: Swarm, name: str, *, ticket: bytes) -> SwarmNode:
+    identity = _key(swarm, name)
+    net = NetworkConfig(run_id=swarm.run_id, host_maddrs=("/ip4/127.0.0.1/tcp/0",),
+                        initial_peers=tuple(swarm.bootstrap), identity=str(swarm.workdir / f"{name}.key"),
+                        heartbeat_s=0.5)
+    node = SwarmNode(net, credentials=Credentials(identity, ticket), gate=Gate(swarm.run_id, swarm.authority))
+    node.start()
+    return node
+
+
+def _announce(node: SwarmNode, fingerprint: str, round_number: int, state_hash: str, *, work: int,
+              **extra: Any) -> None:
+    record = PeerRecord.announce(fingerprint=fingerprint, config_json="{}", round=round_number, state_hash=state_hash,
+                                 work=work)
+    node.update_record(**{**record.to_value(), **extra})
+
+
+def _serve(node: SwarmNode, fingerprint: str, state: ServedState) -> None:
+    server = StateServer(node, fingerprint, gate=node.gate, credentials=node.credentials)
+    node.call(server.register(), timeout=30)
+    server.publish(state)
+
+
+async def _ask_join(node: SwarmNode, peer: str, fingerprint: str) -> pb.JoinReply:
+    reader, writer = await node.open_stream(peer, f"swarmloco/{node.run_id}/avg/v{PROTOCOL_VERSION}", timeout=10)
+    try:
+        await write_frame(writer, pb.JoinRequest(protocol_version=PROTOCOL_VERSION, run_id=node.run_id,
+                                                 fingerprint=fingerprint, round=0, state_hash="0" * 64,
+                                                 ticket=node.credentials.ticket), timeout=10)
+        reply, _ = await read_frame(reader, pb.JoinReply, max_payload=0, timeout=10)
+        return reply
+    finally:
+        close_writer(writer)
+
+
+async def _ask_state(node: SwarmNode, peer: str, fingerprint: str) -> pb.StateHeader:
+    reader, writer = await node.open_stream(peer, state_handler(node.run_id), timeout=10)
+    try:
+        await write_frame(writer, pb.StateRequest(run_id=node.run_id, fingerprint=fingerprint, length=1,
+                                                  ticket=node.credentials.ticket), timeout=10)
+        header, _ = await read_frame(reader, pb.StateHeader, max_payload=2**31, timeout=30)
+        return header
+    finally:
+        close_writer(writer)
+
+
+def _peer_ids(swarm: Swarm) -> dict[str, str]:
+    return {name: swarm.summary(name)["peer_id"] for name in HONEST}
+
+
+def test_hostile_peers_cannot_move_the_swarm(swarm: Swarm) -> None:
+    for name in HONEST:
+        swarm.start(name, "--round-timeout", "20", rounds=6, wait_for=3, inner_steps=10)
+    fingerprint = _fingerprint(swarm)
+    numel = _numel_of(swarm)
+    hostile: list[SwarmNode] = []
+    try:
+        # 1. Round inflation with its own served state, and no certificate.
+        inflator = _node(swarm, "inflator", ticket=_ticket(swarm, "inflator"))
+        hostile.append(inflator)
+        noise = torch.randn(2 * numel).numpy().tobytes()
+        _serve(inflator, fingerprint, ServedState(round=1001, state_hash="1" * 64, blob=noise))
+        _announce(inflator, fingerprint, 1001, "1" * 64, work=10**12)
+        # 2. Round inflation with a NaN state under a forged certificate (itself and an unadmitted key signing).
+        forger = _node(swarm, "forger", ticket=_ticket(swarm, "forger"))
+        hostile.append(forger)
+        sybil = _key(swarm, "sybil")
+        signers = sorted([forger.credentials.identity, sybil], key=lambda i: i.peer_id)
+        statement = Statement(run_id=swarm.run_id, round=2002, prev_hash="e" * 64, new_hash="2" * 64,
+                              members=tuple(i.peer_id for i in signers), weights=(10**9, 10**9), swarm=2, work=10**13)
+        forged = Certificate(statement, {i.peer_id: Certificate.sign(i, statement) for i in signers},
+                             {forger.peer_id: forger.credentials.ticket.decode()})
+        nan_blob = torch.full((2 * numel,), float("nan")).numpy().tobytes()
+        _serve(forger, fingerprint, ServedState(round=2002, state_hash="2" * 64, blob=nan_blob,
+                                                certificate=forged.to_bytes()))
+        _announce(forger, fingerprint, 2002, "2" * 64, work=10**13)
+        # 3. A peer claiming to lead 9999 members at θ_0, ready: it accepts joins and never closes a group.
+        claimer = _node(swarm, "claimer", ticket=_ticket(swarm, "claimer"))
+        hostile.append(claimer)
+        joined: list[str] = []
+
+        async def hold(caller: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            joined.append(caller)
+            await read_frame(reader, pb.JoinRequest, max_payload=0, timeout=10)
+            await write_frame(writer, pb.JoinReply(status=pb.JoinReply.ACCEPTED, ticket=claimer.credentials.ticket),
+                              timeout=10)
+            await asyncio.sleep(600)
+
+        claimer.call(claimer.add_handler(f"swarmloco/{swarm.run_id}/avg/v{PROTOCOL_VERSION}", hold), timeout=30)
+        stop_following = threading.Event()
+
+        def follow() -> None:  # keep claiming leadership at whatever state the honest peers hold
+            while not stop_following.wait(0.5):
+                try:
+                    records = claimer.call(claimer.fetch_records(timeout=5), timeout=10)
+                except Exception:  # noqa: BLE001 - the next look retries
+                    continue
+                honest = [r for r in records.values() if r.round < 1000 and r.leading < 9999]
+                if honest:
+                    top = max(honest, key=lambda r: r.work)
+                    _announce(claimer, fingerprint, top.round, top.state_hash, work=top.work, ready=True,
+                              leading=9999)
+
+        _announce(claimer, fingerprint, 0, genesis_hash(), work=0, ready=True, leading=9999)
+        follower = threading.Thread(target=follow, daemon=True)
+        follower.start()
+        # 4. No ticket, an expired one, a revoked one.
+        strangers = {
+            "no ticket": _node(swarm, "stranger", ticket=b""),
+            "expired": _node(swarm, "expired", ticket=_ticket(swarm, "expired", lifetime_s=60, now=time.time() - 3600)),
+            "revoked": _node(swarm, "revoked", ticket=_ticket(swarm, "revoked")),
+        }
+        hostile += strangers.values()
+        authority = load_or_create_identity(swarm.authority_key)
+        revocations = Revocations.issue(authority, run_id=swarm.run_id, serial=1,
+                                        peer_ids=[strangers["revoked"].peer_id])
+        assert swarm.dht.store(revocations_key(swarm.run_id), revocations.to_value(), get_dht_time() + 600,
+                               subkey=authority.peer_id)
+        # 5. Record overwrite: a forged round under an honest peer's subkey, with an hour's expiry.
+        victim = _wait_for_records(inflator, 3)
+        envelope = seal(inflator.credentials.identity, swarm.run_id,
+                        PeerRecord.announce(fingerprint=fingerprint, config_json="{}", round=1001,
+                                            state_hash="1" * 64, work=10**12), inflator.credentials.ticket.decode(),
+                        get_dht_time() + 3600)
+        assert inflator.dht is not None
+        assert inflator.dht.store(peers_key(swarm.run_id), envelope, get_dht_time() + 3600, subkey=victim) is False
+
+        # Every honest peer refuses the strangers' join requests and state downloads (revocations are read from
+        # the DHT every few seconds, so the revoked peer is refused within a heartbeat or two).
+        honest_ids = set(_wait_for_records(inflator, 3, all_ids=True)) - {p.peer_id for p in hostile}
+        deadline = time.monotonic() + 60
+        for why, node in strangers.items():
+            for peer in honest_ids:
+                while True:
+                    reply = node.call(_ask_join(node, peer, fingerprint), timeout=30)
+                    if reply.status == pb.JoinReply.NOT_ADMITTED or time.monotonic() > deadline:
+                        break
+                    time.sleep(1)
+                assert reply.status == pb.JoinReply.NOT_ADMITTED, (why, reply)
+                header = node.call(_ask_state(node, peer, fingerprint), timeout=60)
+                assert not header.ok and "not admitted" in header.message, (why, header)
+        swarm.wait_exit(300)
+        stop_following.set()
+        follower.join(15)
+        seen = inflator.call(inflator.fetch_records(timeout=5), timeout=10)
+        assert not ({strangers["no ticket"].peer_id, strangers["revoked"].peer_id} & set(seen))
+    finally:
+        for node in hostile:
+            node.shutdown()
+
+    committed = assert_no_split(swarm, HONEST)
+    assert sorted(committed) == list(range(1, 7)), committed  # every round certified, none skipped to 1001
+    finals = {swarm.summary(n)["state_hash"] for n in HONEST}
+    assert len(finals) == 1 and finals == {committed[6]}
+    for name in HONEST:
+        summary = swarm.summary(name)
+        assert summary["rounds"] == 6 and math.isfinite(summary["final_eval_loss"]), summary
+        assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+        assert not [e for e in swarm.events(name, "resync") if e["round"] > 6]
+    assert victim in _peer_ids(swarm).values()
+    # The claimer ranks first for some states and holds whoever joins it; such a peer skips it for the next rounds.
+    # It never leads a committed round.
+    leaders = {e["leader"] for n in HONEST for e in swarm.events(n, "round") if e.get("outcome") == "committed"}
+    assert leaders <= set(_peer_ids(swarm).values()), leaders
+
+
+def _numel_of(swarm: Swarm) -> int:
+    from peer.cli import build_replica
+    from peer.config import build_config
+
+    r = build_replica(build_config(env={}))
+    return sum(r.global_params[n].numel() for n in r.names)
+
+
+def _wait_for_records(node: SwarmNode, n: int, *, all_ids: bool = False) -> Any:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        records = node.call(node.fetch_records(timeout=5), timeout=10)
+        honest = [p for p, r in records.items() if r.round < 1000 and r.leading < 9999]
+        if len(honest) >= n:
+            return honest if all_ids else honest[0]
+        time.sleep(0.5)
+    raise AssertionError("honest records not seen")
+
+
+def test_a_split_swarm_certifies_both_sides_and_heals_into_one_chain(swarm: Swarm) -> None:
+    """Two halves on two DHTs that do not know each other each certify their own rounds (each sees a swarm of two).
+    A bridge node then joins the DHTs: every peer sees both chains and applies the same fork choice, so the half with
+    less certified work re-syncs to the other's state, keeping its local progress, and all four end on one hash."""
+    other = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    other_bootstrap = [str(m) for m in other.get_visible_maddrs()]
+    bridge = None
+    try:
+        for name in ("h1", "h2"):
+            swarm.start(name, rounds=8, wait_for=2, inner_steps=5)
+        for name in ("l1", "l2"):
+            swarm.start(name, "--slowdown", "4", rounds=8, wait_for=2, inner_steps=5, bootstrap=other_bootstrap)
+        swarm.wait_for(lambda: len(swarm.committed("h1")) >= 2 and len(swarm.committed("l1")) >= 1, 240,
+                       "both halves to certify rounds on their own")
+        heavy, light = swarm.committed("h1"), swarm.committed("l1")
+        assert heavy[1] != light[1]  # two histories: the halves never averaged together
+        bridge = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                              initial_peers=swarm.bootstrap + other_bootstrap)
+        codes = swarm.wait_exit(300)
+        assert all(code == 0 for code in codes.values()), swarm.tails()
+    finally:
+        if bridge is not None:
+            bridge.shutdown()
+        other.shutdown()
+    names = ["h1", "h2", "l1", "l2"]
+    finals = {swarm.summary(n)["state_hash"] for n in names}
+    assert len(finals) == 1, {n: swarm.summary(n)["state_hash"][:12] for n in names}
+    resyncs = [e for n in ("l1", "l2") for e in swarm.events(n, "resync")]
+    assert resyncs, "the lighter half never moved to the heavier chain"
+    assert not [e for n in ("h1", "h2") for e in swarm.events(n, "resync") if e["round"] <= 2], \
+        "the heavier half gave up its own chain"
+    assert all(math.isfinite(swarm.summary(n)["final_eval_loss"]) for n in names)
