@@ -49,6 +49,13 @@ class Chain:
         """Why `certificate` proves nothing ("" when it is valid)."""
         return certificate.problem(run_id=self.transport.run_id, gate=self.gate, quorum=self.quorum)
 
+    def credible(self, records: Mapping[str, PeerRecord]) -> dict[str, PeerRecord]:
+        """The records of peers that have not just failed to back a claim. A peer that claims a state it cannot
+        certify is not counted in the swarm a group must be a majority of: else a few liars claiming far-ahead
+        rounds would raise the majority out of the honest peers' reach."""
+        now = time.monotonic()
+        return {p: r for p, r in records.items() if self._distrust.get(p, 0.0) <= now}
+
     def known(self, records: Mapping[str, PeerRecord]) -> Behind | None:
         """The best claim already verified (no network): for a cheap look while training."""
         for claim in self._claims(records):
@@ -78,9 +85,10 @@ class Chain:
                 records: Mapping[str, PeerRecord]) -> Behind | None:
         if not isinstance(verdict, Certificate) or verdict.statement.work != claim.work:
             return None
-        if not supports(verdict.statement, active_past_genesis(records)):
+        active = active_past_genesis(self.credible(records))
+        if not supports(verdict.statement, active):
             logger.info("round %d %s…: its certificate speaks for %d peers, we see %d past genesis; not adopting",
-                        claim.round, claim.state_hash[:12], verdict.statement.swarm, active_past_genesis(records))
+                        claim.round, claim.state_hash[:12], verdict.statement.swarm, active)
             return None
         donors = [p for p in claim.donors if p != self.transport.peer_id]
         if not donors:

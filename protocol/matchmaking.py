@@ -145,6 +145,7 @@ class Matchmaker:
                     if target is not None:
                         self._abandon()
                         return target
+                records = self.chain.credible(records)
                 here = {p: r for p, r in records.items() if r.round == round_number and r.state_hash == state_hash}
                 attempt.swarm = active_count(records, round_number)
                 leader = self._choose_leader(attempt, here)

@@ -191,7 +191,7 @@ def test_hostile_peers_cannot_move_the_swarm(swarm: Swarm) -> None:
         authority = load_or_create_identity(swarm.authority_key)
         revocations = Revocations.issue(authority, run_id=swarm.run_id, serial=1,
                                         peer_ids=[strangers["revoked"].peer_id])
-        assert swarm.dht.store(revocations_key(swarm.run_id), revocations.to_value(), get_dht_time() + 600,
+        assert swarm.dht.store(revocations_key(swarm.run_id), revocations.to_value(), get_dht_time() + 120,
                                subkey=authority.peer_id)
         # 5. Record overwrite: a forged round under an honest peer's subkey, with an hour's expiry.
         victim = _wait_for_records(inflator, 3)

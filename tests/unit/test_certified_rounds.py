@@ -130,7 +130,7 @@ def _forge(attacker: FakeTransport, *, signers: list[Identity], swarm: int, run_
 def test_round_inflation_is_not_followed(net: FakeNetwork, forgery: str) -> None:
     """An admitted peer says it holds round 1001 with enormous work, and serves a state for it. Honest peers never
     treat it as the swarm's state: they keep averaging among themselves from θ_0."""
-    honest = _admitted(net, 3, quorum=2)
+    honest = _admitted(net, 3, quorum=3)
     attacker = _ticketed(net.peer())
     me = attacker.credentials.identity
     sybil = Identity(path=Path("<memory>"), private_key=Identity.generate())  # a key the authority never admitted
@@ -235,3 +235,16 @@ def test_a_leader_that_holds_its_members_is_skipped_in_the_next_rounds(net: Fake
     results, _ = _round_of(honest)
     assert [r.outcome for r in results] == [Outcome.COMMITTED] * 3
     assert staller.peer_id not in {r.leader for r in results}
+
+
+def test_liars_claiming_far_ahead_rounds_do_not_raise_the_majority(net: FakeNetwork) -> None:
+    """Three admitted peers claim rounds they cannot certify. Counted as active, they would put a majority of six
+    out of the three honest peers' reach; once refused, they are not counted."""
+    honest = _admitted(net, 3, quorum=3)
+    for i in range(3):
+        liar = _ticketed(net.peer())
+        serve_state(averager_for(liar, quorum=2, gate=Gate(liar.run_id, AUTHORITY.peer_id)))
+        announce(liar, 1000 + i, f"{i}" * 64, work=10**12, ready=False)
+    results, _ = _round_of(honest)
+    assert [r.outcome for r in results] == [Outcome.COMMITTED] * 3
+    assert {r.certificate.statement.swarm for r in results} == {3}  # type: ignore[union-attr]
