@@ -158,9 +158,7 @@ class Averager:
                 applied = True
                 new_hash = apply(average.delta)
                 statement = replace(statement, new_hash=new_hash)
-                certify_started = time.monotonic()
                 result = self._certify_as_leader(group, average, statement)
-                result.certify_s = time.monotonic() - certify_started
             else:
                 result, average_delta, statement = self.transport.call(
                     self._exchange_as_member(group, contribution, prev), timeout=self.deadlines.exchange
@@ -192,13 +190,14 @@ class Averager:
     # --- leader ---------------------------------------------------------------------------------------------------
     def _certify_as_leader(self, group: Group, average: _Average, statement: Statement) -> RoundResult:
         d = self.deadlines
-        certificate, reason, sent = self.transport.call(
+        certificate, reason, sent, certify_s = self.transport.call(
             self._propose(group, average, statement), timeout=2 * d.transfer + 3 * d.control
         )
         outcome = Outcome.COMMITTED if certificate is not None else Outcome.DISCARDED
         return RoundResult(outcome, group.round, group.leader, "leader", average.members, average.weights,
                            average.excluded, statement.new_hash, statement.new_hash, reason=reason, bytes_sent=sent,
-                           bytes_received=average.received, direct=average.direct, certificate=certificate)
+                           bytes_received=average.received, direct=average.direct, certify_s=certify_s,
+                           certificate=certificate)
 
     async def _reduce(self, group: Group, own: Contribution) -> _Average:
         loop = asyncio.get_running_loop()
@@ -234,9 +233,10 @@ class Averager:
         )
 
     async def _propose(self, group: Group, average: _Average,
-                       statement: Statement) -> tuple[Certificate | None, str, int]:
+                       statement: Statement) -> tuple[Certificate | None, str, int, float]:
         """Send the average and the statement, gather the members' signatures, and send the certificate (or why
-        there is none). Returns (certificate or None, reason, bytes sent)."""
+        there is none). Returns (certificate or None, reason, bytes sent, seconds from the average sent to the
+        certificate sent: what certification adds to the exchange)."""
         d = self.deadlines
         s = statement
         header = pb.RoundResult(
@@ -246,6 +246,7 @@ class Averager:
         )
         try:
             sent = await broadcast(group.links, header, average.encoded, timeout=d.transfer)
+            certify_started = time.monotonic()
             votes = await asyncio.gather(*(self._vote_of(link, d.transfer + d.control)
                                            for link in group.links.values()))
             body = s.body()
@@ -263,9 +264,9 @@ class Averager:
             if problem:
                 reason = f"no certificate: {problem}" + (f" (refused by {'; '.join(refusals)})" if refusals else "")
                 await broadcast(group.links, pb.Commit(ok=False, reason=reason), timeout=d.control)
-                return None, reason, sent
+                return None, reason, sent, time.monotonic() - certify_started
             await broadcast(group.links, pb.Commit(ok=True, certificate=certificate.to_bytes()), timeout=d.control)
-            return certificate, "", sent
+            return certificate, "", sent, time.monotonic() - certify_started
         finally:
             await self._release(group)
 

@@ -6,6 +6,7 @@ Subcommands (each prints a markdown table of ratios measured side by side in one
   comm         bytes per trained token: data-parallel ring all-reduce vs DiLoCo with each codec
   utilisation  compute vs wait share of heterogeneous peers shaped-link self-check
   join         late-joiner state fetch vs moving the same bytes over a plain loopback socket
+  trust        certified rounds: certification vs exchange time per round, and the cost of each offline check
 The logic lives in scripts/bench_<name>.py; `--quick` shrinks every size for a CI smoke test.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "comm": ("scripts.bench_comm", "bytes per trained token: data-parallel vs DiLoCo per codec"),
     "utilisation": ("scripts.bench_utilisation", "compute/wait share of heterogeneous peers; shaped-link check"),
     "join": ("scripts.bench_join", "late-joiner state fetch vs a plain loopback socket"),
+    "trust": ("scripts.bench_trust", "certified rounds: certification vs exchange, and the offline checks"),
 }
 
 

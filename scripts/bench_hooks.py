@@ -373,3 +373,16 @@ def _wait_joined(log: Path, proc: subprocess.Popen[bytes], timeout: float = 120)
                 return list(event["maddrs"])
         time.sleep(0.3)
     raise RuntimeError("peer 0 did not join within the timeout")
+
+
+def round_phases(size_mb: float, peers: int, reps: int, codec: str) -> list[dict[str, float]]:
+    """Per rep: the whole round (earliest 'group closed' to the last peer done, certificate included) and, of it, the
+    certification phase (statement signed, votes gathered, certificate sent and verified; slowest peer)."""
+    numel = int(size_mb * 2**20 // 4)
+    outputs = _run_allreduce(numel, peers, reps, codec)
+    rows = []
+    for rep in range(reps):
+        got = [o["results"][rep] for o in outputs]
+        rows.append({"round_s": max(r["t1"] for r in got) - min(r["t0"] for r in got),
+                     "certify_s": max(r["certify_s"] for r in got)})
+    return rows

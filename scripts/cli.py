@@ -1,4 +1,4 @@
-"""The `swarmloco` console script: dispatches to the peer, local-swarm, coordinator and status commands."""
+"""The `swarmloco` console script: dispatches to the peer, local-swarm, coordinator, status and ticket commands."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +12,7 @@ def _commands() -> dict[
 ]:
     from coordinator.cli import add_coordinator_arguments, add_status_arguments, run_coordinator, run_status
     from peer.cli import add_peer_arguments, run_peer
+    from peer.ticket_cli import add_ticket_arguments, run_ticket
     from scripts.swarm import add_swarm_arguments, run_swarm
 
     return {
@@ -23,6 +24,7 @@ def _commands() -> dict[
             run_coordinator,
         ),
         "status": ("print a run summary from a coordinator", add_status_arguments, run_status),
+        "ticket": ("issue an admission ticket with a run's authority key", add_ticket_arguments, run_ticket),
     }
 
 

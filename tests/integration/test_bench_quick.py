@@ -126,3 +126,12 @@ def test_utilisation_quick(tmp_path: Path) -> None:
         assert run["result"] is not None or run["note"]
         for peer in (run["result"] or {}).get("peers", []):
             assert 0 < peer["compute_s"] <= peer["wall_s"] * 1.01 and peer["wait_s"] >= 0, peer
+
+
+@pytest.mark.timeout(130)
+def test_trust_quick(tmp_path: Path) -> None:
+    out, data = run_bench(["trust"], tmp_path, 120)
+    assert "round / exchange" in out
+    for entry in data["rounds"].values():
+        assert positive(entry["round_s"]) and 0 < entry["certify_s"] < entry["round_s"]
+    assert all(positive(us) for us in data["checks_us"].values())
