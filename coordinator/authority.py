@@ -165,11 +165,14 @@ class Authority:
     def revocations(self) -> dict[str, Any]:
         """The current revocation list signed by the authority, as published (``Revocations.to_value()``)."""
         serial, ids = self.revoked()
+        now = self.clock()
         with self._cache_lock:
-            if self._signed is not None and self._signed[0] == serial:
+            # Re-signed every minute: DHT nodes keep a list only for a few minutes past its signing time, so an old
+            # list cannot be replayed over a newer one with a longer life.
+            if self._signed is not None and self._signed[0] == serial and now - self._signed[1]["issued_at"] < 60:
                 return self._signed[1]
         value = Revocations.issue(self.identity, run_id=self.run_id, serial=serial, peer_ids=ids,
-                                  now=self.clock()).to_value()
+                                  now=now).to_value()
         with self._cache_lock:
             self._signed = (serial, value)
         return value

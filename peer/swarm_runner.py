@@ -147,8 +147,8 @@ class SwarmSync:
                     not self.averager.chain.verify(cert):
                 return Head.of(cert)
         logger.warning("the checkpoint's round %d has no valid certificate: training on, but no peer will adopt this "
-                       "state until a round certifies one", r.round)
-        return Head(r.round, state_hash, int(meta.get("work") or 0) if isinstance(meta.get("work"), int) else 0)
+                       "state, and any certified state of the swarm replaces it", r.round)
+        return Head(r.round, state_hash, 0)  # no certified work: it never outranks a certified chain
 
     def publish_state(self, head: Head) -> None:
         """Serve and announce the certified state this peer now holds (not ready: its new round starts now)."""

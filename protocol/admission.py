@@ -93,7 +93,10 @@ class Ticket:
     def from_bytes(cls, raw: bytes | str) -> Ticket:
         """Parse (not verify) a ticket; raises AdmissionError for anything malformed."""
         if isinstance(raw, str):
-            raw = raw.encode()
+            try:
+                raw = raw.encode()
+            except UnicodeEncodeError:  # a lone surrogate survives json.loads but not encoding
+                raise AdmissionError("ticket is not valid text") from None
         if not raw:
             raise AdmissionError("no ticket")
         if len(raw) > MAX_TICKET_BYTES:
@@ -221,10 +224,12 @@ class Gate:
             return "peer is revoked by the run's authority"
         try:
             parsed = ticket if isinstance(ticket, Ticket) else Ticket.from_bytes(ticket or b"")
+            return parsed.problem(run_id=self.run_id, authority=self.authority, now=self.clock(), peer_id=peer_id,
+                                  role=role, grace_s=grace_s)
         except AdmissionError as exc:
             return str(exc)
-        return parsed.problem(run_id=self.run_id, authority=self.authority, now=self.clock(), peer_id=peer_id,
-                              role=role, grace_s=grace_s)
+        except (ValueError, TypeError, UnicodeError) as exc:  # whatever else a stranger's bytes can provoke
+            return f"malformed ticket: {type(exc).__name__}"
 
     def update_revocations(self, value: Any) -> bool:
         """Adopt a newer signed revocation list; returns whether it changed anything. Bad lists are ignored."""

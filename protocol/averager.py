@@ -31,13 +31,12 @@ import torch
 
 from protocol import swarmloco_wire_pb2 as pb
 from protocol.admission import Credentials, Gate
-from protocol.certificates import Certificate, Head, Statement
+from protocol.certificates import Certificate, Head, Statement, refusal_to_sign, signed_by
 from protocol.chain import Chain
 from protocol.codecs import CodecError, get_codec
 from protocol.data_plane import DataPlane
 from protocol.exchange import broadcast, collect, send_contribution
 from protocol.hooks import Hooks
-from protocol.identity import verify
 from protocol.matchmaking import Group, Matchmaker, RoundAborted
 from protocol.rounds import Behind, Deadlines, LocalModel, Outcome, RoundConfig, token_weights, weighted_average
 from protocol.transport import Transport
@@ -131,7 +130,7 @@ class Averager:
         async def apply() -> None:
             assert self.matchmaker is not None
             self.chain.set_head(head)
-            self.matchmaker.set_state(head.round, head.state_hash)
+            self.matchmaker.set_state(head.round, head.state_hash, head.seed)
 
         self.transport.call(apply(), timeout=self.cfg.control_timeout_s)
 
@@ -150,6 +149,7 @@ class Averager:
         prev = self.chain.head
         role = "leader" if group.is_leader else "member"
         applied = False
+        result: RoundResult | None = None
         try:
             if group.is_leader:
                 average = self.transport.call(self._reduce(group, contribution), timeout=self.deadlines.exchange)
@@ -168,17 +168,27 @@ class Averager:
                 certify_started = time.monotonic()
                 result = self._certify_as_member(group, result, statement)
                 result.certify_s = time.monotonic() - certify_started
-        except (RoundAborted, concurrent.futures.TimeoutError, TimeoutError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever ends the round early, nothing uncertified is kept
+            if not isinstance(exc, (RoundAborted, concurrent.futures.TimeoutError, TimeoutError)):
+                logger.exception("round %d failed unexpectedly; discarding it", group.round)
             self.transport.submit(self._abort(group, str(exc) or "timed out") if group.is_leader
                                   else self._release(group))
             result = RoundResult(Outcome.DISCARDED, group.round, group.leader, role, list(group.members),
                                  reason=str(exc) or f"{type(exc).__name__} after {time.monotonic() - started:.1f}s")
-        if applied and result.outcome != Outcome.COMMITTED:
-            rollback()
+        finally:
+            if applied and (result is None or result.outcome != Outcome.COMMITTED):
+                rollback()
+            if not group.is_leader and (result is None or result.outcome == Outcome.DISCARDED):
+                self._skip_leader(group.leader, result.reason if result is not None else "the round failed")
         if result.outcome == Outcome.COMMITTED and result.certificate is not None:
             self.set_state(Head.of(result.certificate))
         result.seconds = time.monotonic() - started
         return result
+
+    def _skip_leader(self, leader: str, why: str) -> None:
+        matchmaker = self.matchmaker
+        if matchmaker is not None:
+            self.transport.loop.call_soon_threadsafe(matchmaker.skip_leader, leader, why[:200])
 
     def _statement(self, group: Group, prev: Head, average: _Average) -> Statement:
         if group.round != prev.round:
@@ -191,7 +201,7 @@ class Averager:
     def _certify_as_leader(self, group: Group, average: _Average, statement: Statement) -> RoundResult:
         d = self.deadlines
         certificate, reason, sent, certify_s = self.transport.call(
-            self._propose(group, average, statement), timeout=2 * d.transfer + 3 * d.control
+            self._propose(group, average, statement), timeout=2 * d.transfer + 4 * d.control
         )
         outcome = Outcome.COMMITTED if certificate is not None else Outcome.DISCARDED
         return RoundResult(outcome, group.round, group.leader, "leader", average.members, average.weights,
@@ -253,7 +263,7 @@ class Averager:
             signatures = {group.me: Certificate.sign(self.credentials.identity, s)}
             refusals = []
             for peer, vote in zip(group.links, votes, strict=True):
-                if vote is not None and vote.accept and peer in s.members and _signed(peer, body, vote.signature):
+                if vote is not None and vote.accept and peer in s.members and signed_by(peer, body, vote.signature):
                     signatures[peer] = vote.signature
                 elif vote is not None and not vote.accept:
                     refusals.append(f"{peer[-8:]}: {vote.reason[:200]}")
@@ -318,7 +328,9 @@ class Averager:
                                   new_hash=result.new_state_hash, members=tuple(result.members),
                                   weights=tuple(int(w) for w in result.weights), swarm=int(result.swarm),
                                   work=int(result.work))
-            problem = statement.problem() or _mismatch(statement, prev, group)
+            problem = statement.problem() or refusal_to_sign(
+                statement, prev, round_number=group.round, swarm=group.swarm, group_members=group.members,
+                me=self.transport.peer_id, my_tokens=tokens, cap=self.cfg.weight_cap_factor)
             if problem:
                 raise RoundAborted(f"leader's statement is not one we can sign: {problem}")
             average = await asyncio.get_running_loop().run_in_executor(None, self.codec.decode, body, self.model.numel)
@@ -342,7 +354,7 @@ class Averager:
         d = self.deadlines
         agreed = result.state_hash == statement.new_hash
         certificate, reason = self.transport.call(
-            self._vote(group, statement, agreed), timeout=d.transfer + 3 * d.control
+            self._vote(group, statement, agreed), timeout=2 * d.transfer + 4 * d.control
         )
         result.certificate = certificate
         if certificate is None:
@@ -362,7 +374,8 @@ class Averager:
             vote = pb.Vote(accept=False, reason=why)
         try:
             await link.send(vote, timeout=d.control)
-            commit, _ = await link.recv(pb.Commit, max_payload=0, timeout=d.transfer + 2 * d.control)
+            # the leader may still be sending the average to a slower member, then waits for every vote
+            commit, _ = await link.recv(pb.Commit, max_payload=0, timeout=2 * d.transfer + 2 * d.control)
         except WireError as exc:
             return None, f"no certificate from the leader: {exc}"
         finally:
@@ -379,21 +392,3 @@ class Averager:
         if problem:
             return None, f"leader's certificate is invalid: {problem}"
         return certificate, ""
-
-
-def _signed(peer: str, body: bytes, signature: str) -> bool:
-    try:
-        return verify(peer, body, bytes.fromhex(signature))
-    except ValueError:
-        return False
-
-
-def _mismatch(statement: Statement, prev: Head, group: Group) -> str:
-    """Why a member refuses to sign a well-formed statement for the state it holds ("" when it may)."""
-    if statement.prev_hash != prev.state_hash or group.round != prev.round:
-        return "it starts from another state than ours"
-    if statement.work != prev.work + sum(statement.weights):
-        return f"work {statement.work} is not ours ({prev.work}) plus this round's weights"
-    if statement.swarm != group.swarm:
-        return f"swarm {statement.swarm} differs from the {group.swarm} announced at close"
-    return ""

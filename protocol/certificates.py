@@ -11,8 +11,10 @@ peer ids, tickets against the run's authority (`protocol.admission.Gate`).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -27,6 +29,40 @@ MAX_WORK = 2**62
 SIGNER_GRACE_S = 7 * 86400.0
 _DOMAIN = b"swarmloco-commit-v1\n"
 _HASH = re.compile(r"[0-9a-f]{64}")
+
+
+def signed_by(peer: str, body: bytes, signature: str) -> bool:
+    """Whether `signature` (hex) is `peer`'s signature of `body`."""
+    try:
+        return verify(peer, body, bytes.fromhex(signature))
+    except ValueError:
+        return False
+
+
+def refusal_to_sign(statement: Statement, prev: Head, *, round_number: int, swarm: int,
+                    group_members: Sequence[str], me: str, my_tokens: int, cap: float) -> str:
+    """Why a member refuses to sign a well-formed statement its leader sent ("" when it signs). It must extend the
+    state we hold, with the work that state certified plus this round's weights, among the peers of our group, for
+    the swarm size announced when the group closed. Weights are bounded by what we can judge: ours by our own
+    tokens, the others by `cap` times the leader's, and the leader's by `cap`² times ours (so a leader cannot buy
+    its chain certified work it did not do)."""
+    s = statement
+    if s.prev_hash != prev.state_hash or round_number != prev.round:
+        return "it starts from another state than ours"
+    if s.work != prev.work + sum(s.weights):
+        return f"work {s.work} is not ours ({prev.work}) plus this round's weights"
+    if s.swarm != swarm:
+        return f"swarm {s.swarm} differs from the {swarm} announced at close"
+    if not set(s.members) <= set(group_members):
+        return "it names contributors outside our group"
+    weights = dict(zip(s.members, s.weights, strict=True))
+    leader = group_members[0]
+    if me in weights and weights[me] > max(my_tokens, 1):
+        return f"our weight {weights[me]} exceeds the {my_tokens} tokens we sent"
+    lead = weights.get(leader, 1)
+    if lead > cap * cap * max(my_tokens, 1) or any(w > cap * max(lead, 1) for w in s.weights):
+        return "a weight is out of proportion to the tokens of this group"
+    return ""
 
 
 def need(swarm: int, quorum: int) -> int:
@@ -123,7 +159,14 @@ class Certificate:
         return cls(statement, dict(sigs), dict(tickets))
 
     def problem(self, *, run_id: str, gate: Gate, quorum: int) -> str:
-        """Why this certificate does not prove its statement ("" when it does)."""
+        """Why this certificate does not prove its statement ("" when it does). Never raises: a certificate is a
+        stranger's bytes."""
+        try:
+            return self._problem(run_id=run_id, gate=gate, quorum=quorum)
+        except (ValueError, TypeError, UnicodeError, RecursionError) as exc:
+            return f"malformed certificate: {type(exc).__name__}"
+
+    def _problem(self, *, run_id: str, gate: Gate, quorum: int) -> str:
         s = self.statement
         if s.run_id != run_id:
             return f"certificate is for run {s.run_id!r}"
@@ -132,25 +175,31 @@ class Certificate:
             return f"malformed statement: {malformed}"
         members = set(s.members)
         body = s.body()
-        valid = 0
+        valid, refused = 0, []
+        # Signatures that do not count are skipped, not fatal: two peers whose revocation lists differ by one
+        # signer then still agree on a certificate that has enough of the others.
         for signer, signature in self.signatures.items():
             if signer not in members:
-                return f"signer {signer[:16]}… is not a member of the round"
+                refused.append(f"{signer[:16]}… is not a member")
+                continue
             # A signature made while its ticket was valid stays valid for a while: a peer resuming from a
             # checkpoint still proves its state. Revocation applies at once.
-            refused = gate.check(self.tickets.get(signer), signer, role="trainer", grace_s=SIGNER_GRACE_S)
-            if refused:
-                return f"signer {signer[:16]}… is not admitted: {refused}"
+            not_admitted = gate.check(self.tickets.get(signer), signer, role="trainer", grace_s=SIGNER_GRACE_S)
+            if not_admitted:
+                refused.append(f"{signer[:16]}… is not admitted: {not_admitted}")
+                continue
             try:
                 raw = bytes.fromhex(signature)
             except ValueError:
-                return f"signature of {signer[:16]}… is not hex"
+                raw = b""
             if not verify(signer, body, raw):
-                return f"signature of {signer[:16]}… is invalid"
+                refused.append(f"signature of {signer[:16]}… is invalid")
+                continue
             valid += 1
         wanted = need(s.swarm, quorum)
         if valid < wanted:
-            return f"{valid} valid signature(s), {wanted} needed for a swarm of {s.swarm}"
+            why = f" ({'; '.join(refused[:3])})" if refused else ""
+            return f"{valid} valid signature(s), {wanted} needed for a swarm of {s.swarm}{why}"
         return ""
 
 
@@ -162,6 +211,21 @@ class Head:
     state_hash: str
     work: int = 0
     certificate: Certificate | None = None
+
+    @property
+    def seed(self) -> str:
+        """What the leader order of the round from this state is drawn from. θ_0: its hash. Later: the hash
+        together with the members' signatures of the certificate. The leader of the previous round chose the
+        average, so it could try averages offline until the bare hash ranked it first; the signatures it cannot
+        produce itself, and it can only leave some out."""
+        cert = self.certificate
+        if cert is None:
+            return self.state_hash
+        body = cert.statement.body()
+        members = set(cert.statement.members)
+        valid = sorted(sig for signer, sig in cert.signatures.items()
+                       if signer in members and signed_by(signer, body, sig))
+        return hashlib.sha256("\n".join([self.state_hash, *valid]).encode()).hexdigest()
 
     @classmethod
     def of(cls, certificate: Certificate) -> Head:

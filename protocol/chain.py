@@ -11,6 +11,7 @@ for a while, so a peer that claims a thousand states costs one refused lookup pe
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import OrderedDict
@@ -19,15 +20,16 @@ from collections.abc import Mapping
 from protocol.admission import Credentials, Gate
 from protocol.certificates import Certificate, Head, supports
 from protocol.records import PeerRecord
-from protocol.rounds import Behind, Claim, active_past_genesis, better_claims
-from protocol.state_sync import fetch_certificate
+from protocol.rounds import Behind, Claim, active_past_genesis, better_claims, outranks
+from protocol.state_sync import StateSyncError, fetch_certificate
 from protocol.transport import Transport
 
 logger = logging.getLogger(__name__)
 MAX_VERDICTS = 512
 MAX_CLAIMS_CHECKED = 3  # per look: the best few claims (each costs at most one small request per claimant tried)
 MAX_CLAIMANTS_ASKED = 2
-DISTRUST_S = 60.0  # a claimant that could not back its claim is not asked again for this long
+DISTRUST_S = 60.0  # a claimant that served an invalid certificate is not asked again for this long
+UNREACHABLE_S = 5.0  # nor one that could not be reached, for this long
 
 
 class Chain:
@@ -38,7 +40,8 @@ class Chain:
         self.genesis_hash = genesis_hash
         self.head = Head(0, genesis_hash)
         self._verdicts: OrderedDict[tuple[int, str], Certificate] = OrderedDict()
-        self._distrust: dict[str, float] = {}
+        self._distrust: dict[str, float] = {}  # peer -> until when we do not ask it for certificates
+        self._liars: dict[str, float] = {}  # peer -> until when it is not counted: it could not back its claim
 
     def set_head(self, head: Head) -> None:
         self.head = head
@@ -54,7 +57,7 @@ class Chain:
         certify is not counted in the swarm a group must be a majority of: else a few liars claiming far-ahead
         rounds would raise the majority out of the honest peers' reach."""
         now = time.monotonic()
-        return {p: r for p, r in records.items() if self._distrust.get(p, 0.0) <= now}
+        return {p: r for p, r in records.items() if self._liars.get(p, 0.0) <= now}
 
     def known(self, records: Mapping[str, PeerRecord]) -> Behind | None:
         """The best claim already verified (no network): for a cheap look while training."""
@@ -66,10 +69,23 @@ class Chain:
         return None
 
     async def target(self, records: Mapping[str, PeerRecord]) -> Behind | None:
-        """The best verified state that outranks ours, fetching certificates of the best few claims if needed."""
+        """The best verified state that outranks ours, fetching certificates of the best few claims if needed; None
+        when nothing could be verified within a few control timeouts (claimants that do not answer are skipped)."""
+        try:
+            return await asyncio.wait_for(self._target(records), 3 * self.control_timeout)
+        except TimeoutError:
+            return None
+
+    async def _target(self, records: Mapping[str, PeerRecord]) -> Behind | None:
         for claim in self._claims(records)[:MAX_CLAIMS_CHECKED]:
-            key = (claim.round, claim.state_hash)
-            verdict = self._verdicts.get(key) or await self._fetch_verdict(claim)
+            verdict = self._verdicts.get((claim.round, claim.state_hash))
+            if verdict is None:
+                verdict, donor = await self._fetch_verdict(claim)
+                if verdict is not None and (verdict.statement.round, verdict.statement.new_hash) != (
+                        claim.round, claim.state_hash):
+                    # The claimant moved on since its record was read: its newer certified state is as good.
+                    s = verdict.statement
+                    claim = Claim(round=s.round, state_hash=s.new_hash, work=s.work, donors=(donor,))
             behind = self._accept(claim, verdict, records)
             if behind is not None:
                 return behind
@@ -96,31 +112,40 @@ class Chain:
         return Behind(round=claim.round, state_hash=claim.state_hash, donors=donors, work=claim.work,
                       certificate=verdict)
 
-    async def _fetch_verdict(self, claim: Claim) -> Certificate | None:
-        """A valid certificate for the claim from one of its claimants, or None. A claimant that cannot back it is
-        distrusted for a while; the state itself is not condemned (a liar may claim an honest state too)."""
+    async def _fetch_verdict(self, claim: Claim) -> tuple[Certificate | None, str]:
+        """A valid certificate for the claim, or for a newer state of the same claimant that still outranks ours,
+        with the claimant that served it; (None, "") when nobody asked could back it. A claimant that serves an
+        invalid certificate is distrusted for a minute; one that could not be reached, for a few seconds. The state
+        itself is never condemned: a liar may claim an honest state too."""
         now = time.monotonic()
         self._distrust = {p: t for p, t in self._distrust.items() if t > now}
+        self._liars = {p: t for p, t in self._liars.items() if t > now}
         asked = [p for p in claim.donors if p not in self._distrust][:MAX_CLAIMANTS_ASKED]
-        key = (claim.round, claim.state_hash)
         for peer in asked:
             try:
                 cert = await fetch_certificate(self.transport, peer, fingerprint=self.fingerprint,
                                                ticket=self.credentials.ticket, timeout=self.control_timeout)
-            except Exception as exc:  # noqa: BLE001 - unreachable, refused, malformed: the claim stays unbacked
-                problem = f"no certificate: {exc}"
-            else:
-                s = cert.statement
-                problem = self.verify(cert)
-                if not problem and (s.round, s.new_hash) != key:
-                    problem = f"certificate is for round {s.round} {s.new_hash[:12]}…"
-                if not problem:
-                    self._remember(key, cert)
-                    return cert
-            self._distrust[peer] = now + DISTRUST_S
+            except StateSyncError as exc:  # it answered, but with no certificate for what it claims: a lie
+                self._distrust[peer] = self._liars[peer] = now + DISTRUST_S
+                logger.warning("not adopting round %d %s… claimed by %s: %s", claim.round, claim.state_hash[:12],
+                               peer[-8:], exc)
+                continue
+            except Exception as exc:  # noqa: BLE001 - unreachable or too slow: ask again soon
+                self._distrust[peer] = now + UNREACHABLE_S
+                logger.info("no certificate for round %d from %s: %r", claim.round, peer[-8:], exc)
+                continue
+            s = cert.statement
+            problem = self.verify(cert)
+            if not problem and not outranks((s.work, s.round, s.new_hash),
+                                             (self.head.work, self.head.round, self.head.state_hash)):
+                problem = f"it certifies round {s.round}, which does not outrank ours"
+            if not problem:
+                self._remember((s.round, s.new_hash), cert)
+                return cert, peer
+            self._distrust[peer] = self._liars[peer] = now + DISTRUST_S
             logger.warning("not adopting round %d %s… claimed by %s: %s", claim.round, claim.state_hash[:12],
                            peer[-8:], problem)
-        return None
+        return None, ""
 
     def _remember(self, key: tuple[int, str], verdict: Certificate) -> None:
         self._verdicts[key] = verdict

@@ -2,23 +2,22 @@
 
 Seen from a peer that holds θ_r and has spent its round budget:
 1. It is marked ready in its record and reads the records of compatible peers at the same (r, state hash).
-2. It gathers around the peer `pick_leader` names: of the ready peers at its state, the one whose hash with the
-   state is lowest, an order no peer controls. Being named leader means collecting: others send a JoinRequest,
-   which is admitted while the group is open and the request carries a valid ticket and matches our run, model,
-   round and state. The member checks the leader's ticket in the reply.
-3. A leader closes the group once it has a majority of the active swarm (and at least `quorum` peers; see
-   `protocol.certificates.need`) *and* the grace window has passed (it waits a little for peers whose own records
-   say they are about to be ready). Closing sends every member the final member list, the swarm size the majority
-   is taken of and, when the leader runs a TCP data plane, an address and a one-time token for the bulk bytes.
+2. It gathers around the ready peer at its state that ranks first (`pick_leader`: a hash of the round's seed with
+   the peer id, an order no peer controls). A leader admits a JoinRequest while its group is open and the request
+   carries a valid ticket and matches our run, model, round and state; the member checks the leader's ticket.
+3. A leader closes the group once it has a majority of the active swarm and at least `quorum` peers
+   (`protocol.certificates.need`) *and* the grace window has passed (it waits a little for peers whose records say
+   they are about to be ready). Closing sends every member the member list, the swarm size and, with a TCP data
+   plane, an address and a one-time token for the bulk bytes.
 4. Peers that read records at different moments can form two groups, both below that size. Every peer orders
-   leaders the same way, so the weaker leader sees the better-ranked one; after seeing it twice in a row it
-   releases its members (nothing was closed, so nothing can split) and joins it.
-A peer that sees a verified certified state outranking its own gets `Behind` instead of a group, unless members
-already joined it.
+   leaders the same way, so the worse-ranked leader, after seeing the better one twice in a row, releases its
+   members (nothing was closed, so nothing can split) and joins it.
+A peer that sees a verified certified state outranking its own gets `Behind` instead, unless members joined it.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ from protocol.rounds import (
     Deadlines,
     LocalModel,
     RoundConfig,
-    active_count,
+    active_peers,
     compatible,
     grace_over,
     leader_rank,
@@ -50,13 +49,11 @@ from protocol.wire import WireError, close_writer, read_frame, write_frame
 logger = logging.getLogger(__name__)
 POLL_S = 0.25  # a leader re-reads the records this often while it waits for members (a join wakes it at once)
 LONE_S = 1.0  # a best-ranked leader nobody joined looks for a group already forming after this long
-STALL_SKIP_ROUNDS = 3  # a leader that held us until our round timed out is skipped this many round timeouts
-
+STALL_SKIP_ROUNDS = 3  # a leader whose round with us ended uncertified is skipped this many round timeouts
 
 # How long a leader that turned us down is skipped, by its answer.
 _SKIP_S = {pb.JoinReply.INCOMPATIBLE: 3600.0, pb.JoinReply.NOT_ADMITTED: 60.0, pb.JoinReply.WRONG_STATE: 5.0}
-_SKIP_UNADMITTED_LEADER_S = 3600.0
-_SKIP_UNREACHABLE_S, _SKIP_DROPPED_S, _SKIP_OTHER_S = 10.0, 5.0, 1.0
+_SKIP_UNADMITTED_LEADER_S, _SKIP_UNREACHABLE_S, _SKIP_DROPPED_S, _SKIP_OTHER_S = 3600.0, 10.0, 5.0, 1.0
 
 
 @dataclass
@@ -80,12 +77,17 @@ class _Attempt:
     deadline: float
     skip: dict[str, float] = field(default_factory=dict)  # leader -> monotonic time until which we do not ask it
     quorum_at: float | None = None  # when our own group first reached the size it needs
-    swarm: int = 1  # active peers in our latest view (a group must be a majority of them)
+    active: set[str] = field(default_factory=set)  # active peers in our latest view, us included
     alone_since: float | None = None  # when we began leading with nobody joined
     merge_into: str | None = None  # the stronger leader we saw last time, and how many times in a row
     merge_seen: int = 0
 
-    def confirm_merge(self, leader: str) -> bool:
+    @property
+    def swarm(self) -> int:
+        """How many peers a group must be a majority of, by our own view."""
+        return max(1, len(self.active))
+
+    def confirm_merge(self, leader: str) -> bool:  # the same better leader twice in a row
         self.merge_seen = self.merge_seen + 1 if leader == self.merge_into else 1
         self.merge_into = leader
         return self.merge_seen >= 2
@@ -111,18 +113,25 @@ class Matchmaker:
         self.deadlines = Deadlines.of(cfg)
         self.data_plane, self.dial_data_plane = data_plane, dial_data_plane
         self.handler_name = f"swarmloco/{transport.run_id}/avg/v{PROTOCOL_VERSION}"
-        self.round, self.state_hash = 0, ""
+        self.round, self.state_hash, self.seed = 0, "", ""
         self.refusals: list[str] = []  # why other peers refused us: each reason is logged once
         self._collect: _Collecting | None = None
         # Leaders that accepted us and then never closed the group: skipped across rounds for a while. The leader
         # order only changes with the state, so without this one stalling leader would hold every retry.
         self._stalled: dict[str, float] = {}
 
+    def skip_leader(self, leader: str, why: str) -> None:
+        """Skip `leader` for a few round timeouts: it took us in, and the round ended uncertified (on the loop)."""
+        self._stalled[leader] = time.monotonic() + STALL_SKIP_ROUNDS * self.cfg.round_timeout_s
+        logger.info("skipping leader %s for the next rounds: %s", leader[-8:], why)
+
     async def register(self) -> None:
         await self.transport.add_handler(self.handler_name, self._handle_join)
 
-    def set_state(self, round_number: int, state_hash: str) -> None:
-        """The global state this peer holds (join requests are admitted against it); call on the loop."""
+    def set_state(self, round_number: int, state_hash: str, seed: str = "") -> None:
+        """The state we hold (joins are admitted against it) and its leader-order seed (default: its hash)."""
+        if (round_number, state_hash) != (self.round, self.state_hash) or seed:
+            self.seed = seed or state_hash
         self.round, self.state_hash = round_number, state_hash
 
     # --- finding or forming a group -------------------------------------------------------------------------------
@@ -147,7 +156,7 @@ class Matchmaker:
                         return target
                 records = self.chain.credible(records)
                 here = {p: r for p, r in records.items() if r.round == round_number and r.state_hash == state_hash}
-                attempt.swarm = active_count(records, round_number)
+                attempt.active = active_peers(records, round_number) | {self.transport.peer_id}
                 leader = self._choose_leader(attempt, here)
                 if leader == self.transport.peer_id:
                     group = await self._lead(attempt, here)
@@ -178,7 +187,7 @@ class Matchmaker:
         members = len(self._collect.members) if self._collect is not None else 0
         me = self.transport.peer_id
         leader = pick_leader(me, members, candidates, needed=need(attempt.swarm, self.cfg.quorum),
-                             state_hash=attempt.state_hash)
+                             seed=self.seed or attempt.state_hash)
         if leader == me and not members:
             leader = self._rescue_lone_leader(attempt, here, candidates, now)
         else:
@@ -196,19 +205,19 @@ class Matchmaker:
 
     def _rescue_lone_leader(self, attempt: _Attempt, here: dict[str, PeerRecord], candidates: list[str],
                             now: float) -> str:
-        """We rank first but nobody joined us (the others tried us before we were collecting, and gathered around the
-        next in rank). After a short wait we join the best-ranked group already forming rather than sit alone while
-        it closes without us. This is the only place a record's `leading` count matters, and only for a peer that
-        leads nobody: a false count can attract lone peers to a leader that then stalls, never make it lead."""
+        """We rank first but nobody joined us (they tried us before we were collecting, and gathered around the next
+        in rank): after a short wait, join the best-ranked group already forming rather than be left out. The only
+        use of a record's `leading` count: a false one can attract a lone peer for one round, never make it lead."""
         me = self.transport.peer_id
         if attempt.alone_since is None:
             attempt.alone_since = now
         if now - attempt.alone_since < min(LONE_S, self.cfg.grace_max_s / 2):
             return me
-        forming = [p for p in candidates if here[p].leading > 0]
+        # A count is plausible only if that many other ready peers at our state exist to be its members.
+        forming = [p for p in candidates if 0 < here[p].leading <= len(here) - 1]
         if not forming:
             return me
-        return min(forming, key=lambda p: (leader_rank(attempt.state_hash, p), p))
+        return min(forming, key=lambda p: (leader_rank(self.seed or attempt.state_hash, p), p))
 
     async def _lead(self, attempt: _Attempt, here: dict[str, PeerRecord]) -> Group | None:
         """One look as leader: close the group if quorum and grace allow, else wait for a join or the next poll."""
@@ -220,12 +229,10 @@ class Matchmaker:
             wall = time.time()
             etas = [None if r.ready else max(0.0, r.eta - wall) for p, r in here.items() if p not in collect.members]
             if grace_over(waited=now - attempt.quorum_at, etas=etas, cfg=self.cfg):
-                return await self._close(collect, attempt.swarm)
+                return await self._close(collect, attempt.active)
         collect.changed.clear()
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(collect.changed.wait(), timeout=POLL_S)
-        except TimeoutError:
-            pass
         return None
 
     def _ensure_collecting(self, round_number: int) -> _Collecting:
@@ -243,14 +250,14 @@ class Matchmaker:
             collect.done.set_result(None)
         self.transport.update_record(leading=0)
 
-    async def _close(self, collect: _Collecting, swarm: int) -> Group:
+    async def _close(self, collect: _Collecting, active: set[str]) -> Group:
         collect.closed = True
         self._collect = None
         self.transport.update_record(leading=0, ready=False)
         me = self.transport.peer_id
         links = dict(collect.members)
         names = [me, *links]
-        swarm = max(swarm, len(names))
+        swarm = len(active | set(names))  # members whose records we have not seen yet are active too
 
         async def notify(link: Link) -> bool:
             message = pb.GroupClosed(
@@ -314,10 +321,7 @@ class Matchmaker:
                     reader, pb.GroupClosed, max_payload=0, timeout=max(1.0, attempt.deadline - time.monotonic())
                 )
             except WireError:
-                if time.monotonic() >= attempt.deadline - 0.5:
-                    self._stalled[leader] = time.monotonic() + STALL_SKIP_ROUNDS * self.cfg.round_timeout_s
-                    logger.warning("round %d: leader %s accepted us but never closed its group; skipping it for the "
-                                   "next rounds", attempt.round, leader[-8:])
+                self.skip_leader(leader, f"round {attempt.round}: it accepted us but never closed its group")
                 raise
             if (
                 closed.round != attempt.round
@@ -326,7 +330,7 @@ class Matchmaker:
             ):
                 link.close()
                 return _SKIP_DROPPED_S
-            if closed.swarm + 1 < attempt.swarm or len(closed.members) < need(closed.swarm, self.cfg.quorum):
+            if len(closed.members) < need(max(closed.swarm, attempt.swarm), self.cfg.quorum):
                 # A group that is no majority of the swarm we see could never be certified (and two of them could
                 # both commit): a leader understating the swarm is not followed.
                 logger.info("round %d: %s closed %d of a claimed swarm of %d, we see %d active; not taking part",

@@ -123,27 +123,32 @@ def compatibility_problem(records: Mapping[str, PeerRecord], *, fingerprint: str
     return f"the swarm trains a different model: {describe_difference(config, rec.config())}"
 
 
-def leader_rank(state_hash: str, peer: str) -> bytes:
-    """A peer's place in the leader order of the round that starts from `state_hash`: a hash nobody controls (the
-    state is only known once the previous round is certified), so no peer can claim or grind its way to the front
-    beyond trying its few admitted identities."""
-    return hashlib.sha256(f"{state_hash}\n{peer}".encode()).digest()
+def leader_rank(seed: str, peer: str) -> bytes:
+    """A peer's place in the leader order of a round: a hash of the round's seed (`Head.seed`: known only once the
+    previous round is certified, and not computable by any one peer) with the peer id, so no peer can claim or grind
+    its way to the front beyond trying its few admitted identities."""
+    return hashlib.sha256(f"{seed}\n{peer}".encode()).digest()
 
 
-def pick_leader(me: str, my_members: int, candidates: Iterable[str], *, needed: int, state_hash: str) -> str:
+def pick_leader(me: str, my_members: int, candidates: Iterable[str], *, needed: int, seed: str) -> str:
     """Whom to gather around for this round: among us and the ready `candidates` at our state, the lowest
     `leader_rank`. Every peer orders leaders the same way, so splits heal: a leader whose group is below `needed`
     sees the better-ranked one and merges into it. A leader whose group has reached `needed` keeps it (it is about
     to close)."""
     if my_members and 1 + my_members >= needed:
         return me
-    return min((me, *candidates), key=lambda p: (leader_rank(state_hash, p), p))
+    return min((me, *candidates), key=lambda p: (leader_rank(seed, p), p))
+
+
+def active_peers(records: Mapping[str, PeerRecord], round_number: int) -> set[str]:
+    """The peers a group for round r must be a majority of (with us): every peer at round r − 1 or later (a peer one
+    round behind is catching up; a joiner still at an old state is not training with us yet)."""
+    return {p for p, r in records.items() if r.round >= round_number - 1}
 
 
 def active_count(records: Mapping[str, PeerRecord], round_number: int) -> int:
-    """The swarm a group for round r is a majority of: us and every peer at round r − 1 or later (a peer one round
-    behind is catching up; a joiner still at an old state is not training with us yet)."""
-    return 1 + sum(1 for r in records.values() if r.round >= round_number - 1)
+    """The size of that swarm, us included."""
+    return 1 + len(active_peers(records, round_number))
 
 
 def active_past_genesis(records: Mapping[str, PeerRecord]) -> int:

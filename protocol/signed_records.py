@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from typing import Any
 
 from hivemind.dht.routing import DHTID
@@ -27,6 +28,7 @@ logger = logging.getLogger(__name__)
 _DOMAIN = b"swarmloco-record-v1\n"
 MAX_RECORD_TTL_S = 300.0  # a record lives at most this long past its signing: a silent peer drops out in minutes
 EXPIRY_SKEW_S = 30.0
+MAX_REVOCATION_TTL_S = 300.0  # a revocation list is kept this long past its signing (the authority re-signs it)
 
 
 class RecordError(ValueError):
@@ -54,7 +56,8 @@ def open_record(envelope: Any, *, run_id: str, subkey: str, gate: Gate, expirati
     if not isinstance(envelope, dict) or set(envelope) != {"record", "ticket", "expires", "sig"}:
         raise RecordError("not a signed record envelope")
     record, ticket, expires, sig = envelope["record"], envelope["ticket"], envelope["expires"], envelope["sig"]
-    if not (isinstance(ticket, str) and isinstance(sig, str) and isinstance(expires, (int, float))):
+    if not (isinstance(ticket, str) and isinstance(sig, str) and isinstance(expires, (int, float))
+            and math.isfinite(expires)):
         raise RecordError("envelope fields have the wrong types")
     if expiration is not None and abs(float(expiration) - float(expires)) > 1e-3:
         raise RecordError("stored expiry differs from the signed one")
@@ -106,10 +109,12 @@ class RunValidator(RecordValidatorBase):
             if self.authority is None or subkey != self.authority:
                 return False
             try:
-                Revocations.parse(value, run_id=self.run_id, authority=self.authority)
+                rev = Revocations.parse(value, run_id=self.run_id, authority=self.authority)
             except ValueError:
                 return False
-            return True
+            # The expiry is not signed: bound it by the signing time, so nobody stores an old list with a longer
+            # life than the authority's newer one.
+            return record.expiration_time <= rev.issued_at + MAX_REVOCATION_TTL_S + EXPIRY_SKEW_S
         return False
 
     @property

@@ -116,8 +116,15 @@ def test_a_certificate_needs_a_majority_of_admitted_member_signatures() -> None:
                                                                                                  forged.statement)},
                          forged.tickets)
     assert "not admitted" in forged.problem(run_id=RUN, gate=gate, quorum=2)
-    outsider = Certificate(good.statement, {**good.signatures, OTHER.peer_id: "00" * 64}, good.tickets)
+    # a signature that does not count is skipped, not fatal: extra junk beside three valid ones still proves it
+    junk = Certificate(good.statement, {**good.signatures, OTHER.peer_id: "00" * 64}, good.tickets)
+    assert junk.problem(run_id=RUN, gate=gate, quorum=2) == ""
+    swapped = dict(list(good.signatures.items())[:2]) | {OTHER.peer_id: Certificate.sign(OTHER, good.statement)}
+    outsider = Certificate(good.statement, swapped, good.tickets)
     assert "not a member" in outsider.problem(run_id=RUN, gate=gate, quorum=2)
+    hostile = Certificate(good.statement, {"\ud800": "zz"}, {"\ud800": "\ud800"})  # lone surrogates
+    assert "valid signature(s)" in hostile.problem(run_id=RUN, gate=gate, quorum=2)
+    assert _gate().check("\ud800", PEER.peer_id)
     altered = Certificate(replace(good.statement, new_hash="c" * 64), good.signatures, good.tickets)
     assert "invalid" in altered.problem(run_id=RUN, gate=gate, quorum=2)
     assert "for run" in good.problem(run_id="run-2", gate=Gate("run-2", AUTHORITY.peer_id), quorum=2)
@@ -140,3 +147,44 @@ def test_statement_bounds_and_the_majority_rules() -> None:
     for junk in (b"", b"{}", b"[1]", b'{"statement": {}, "signatures": {}, "tickets": {}}', b"{" * 600_000):
         with pytest.raises(ValueError):
             Certificate.from_bytes(junk)
+
+
+def test_a_member_signs_only_a_statement_that_extends_its_state_with_plausible_weights() -> None:
+    from protocol.certificates import Head, refusal_to_sign
+
+    leader, me, other = (_identity().peer_id for _ in range(3))
+    group = [leader, me, other]
+    members = tuple(sorted(group))
+    weights = {leader: 100, me: 90, other: 300}
+    prev = Head(3, "a" * 64, 1000)
+    s = Statement(run_id=RUN, round=4, prev_hash="a" * 64, new_hash="b" * 64, members=members,
+                  weights=tuple(weights[m] for m in members), swarm=3, work=1000 + 490)
+
+    def refusal(statement: Statement, **kw: object) -> str:
+        args: dict[str, object] = dict(round_number=3, swarm=3, group_members=group, me=me, my_tokens=90, cap=8.0)
+        return refusal_to_sign(statement, prev, **{**args, **kw})  # type: ignore[arg-type]
+
+    assert refusal(s) == ""
+    assert "another state" in refusal(replace(s, prev_hash="c" * 64))
+    assert "work" in refusal(replace(s, work=10**12))
+    assert "swarm" in refusal(s, swarm=4)
+    assert "outside our group" in refusal(s, group_members=[leader, me])
+    assert "our weight" in refusal(s, my_tokens=10)  # the leader gave us more weight than we claimed
+    inflated = dict(weights, **{leader: 10**9})  # the leader buys its chain work it never did
+    big = replace(s, weights=tuple(inflated[m] for m in members), work=1000 + sum(inflated.values()))
+    assert "out of proportion" in refusal(big)
+
+
+def test_the_leader_order_seed_needs_the_members_signatures() -> None:
+    """The next round's leader order is drawn from the certified hash and the members' signatures: a leader that
+    tries averages offline cannot compute it, and junk it adds to the certificate does not change it."""
+    from protocol.certificates import Head
+
+    members = [_identity() for _ in range(3)]
+    cert = _certificate(members, members, swarm=3)
+    head = Head.of(cert)
+    assert head.seed != head.state_hash and Head(0, "a" * 64).seed == "a" * 64
+    padded = Certificate(cert.statement, {**cert.signatures, OTHER.peer_id: "00" * 64, "x": "zz"}, cert.tickets)
+    assert Head.of(padded).seed == head.seed
+    fewer = Certificate(cert.statement, dict(list(cert.signatures.items())[:2]), cert.tickets)
+    assert Head.of(fewer).seed != head.seed

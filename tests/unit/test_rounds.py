@@ -61,16 +61,16 @@ def test_pick_leader_follows_a_rank_no_peer_controls() -> None:
     peers = [f"peer-{i}" for i in range(8)]
     order = sorted(peers, key=lambda p: leader_rank(H1, p))
     # every peer picks the same leader, whoever it is and whatever the others claim to be leading
-    assert {pick_leader(me, 0, [p for p in peers if p != me], needed=4, state_hash=H1) for me in peers} == {order[0]}
+    assert {pick_leader(me, 0, [p for p in peers if p != me], needed=4, seed=H1) for me in peers} == {order[0]}
     # the order changes with the state: nobody is leader of every round
     assert len({min(peers, key=lambda p: leader_rank(h, p)) for h in ("1" * 64, "2" * 64, "3" * 64, "4" * 64,
                                                                        "5" * 64, "6" * 64)}) > 1
     # a split: a worse-ranked leader below the size it needs merges into the better one, which stays
     best, worse = order[0], order[1]
-    assert pick_leader(worse, 1, [best], needed=4, state_hash=H1) == best
-    assert pick_leader(best, 1, [worse], needed=4, state_hash=H1) == best
+    assert pick_leader(worse, 1, [best], needed=4, seed=H1) == best
+    assert pick_leader(best, 1, [worse], needed=4, seed=H1) == best
     # a group that has reached its size is about to close: it never merges away
-    assert pick_leader(worse, 1, [best], needed=2, state_hash=H1) == worse
+    assert pick_leader(worse, 1, [best], needed=2, seed=H1) == worse
 
 
 def test_active_counts_the_swarm_a_group_must_be_a_majority_of() -> None:

@@ -92,3 +92,18 @@ def test_only_the_authority_publishes_revocations_and_nothing_else_is_stored() -
     assert not validator.validate(rec(revocations_key(RUN), AUTHORITY.peer_id, posing))
     assert not validator.validate(rec("some/other/key", ATTACKER.peer_id, {"x": 1}))
     assert not validator.validate(DHTRecord(key_id(peers_key(RUN)), b"\xc1", b"\xc1", expires))
+
+
+def test_an_old_revocation_list_cannot_be_stored_with_a_longer_life() -> None:
+    """The list's DHT expiry is not signed; a node keeps a list only a few minutes past its signing time, so a
+    stranger cannot store last hour's list (with fewer revoked peers) to outlive the authority's newer one."""
+    validator = RunValidator(RUN, AUTHORITY.peer_id)
+    old = Revocations.issue(AUTHORITY, run_id=RUN, serial=1, peer_ids=[], now=get_dht_time() - 3600).to_value()
+    fresh = Revocations.issue(AUTHORITY, run_id=RUN, serial=2, peer_ids=[VICTIM.peer_id]).to_value()
+
+    def rec(value: object, expires: float) -> DHTRecord:
+        return DHTRecord(key_id(revocations_key(RUN)), MSGPackSerializer.dumps(AUTHORITY.peer_id),
+                         MSGPackSerializer.dumps(value), expires)
+
+    assert not validator.validate(rec(old, get_dht_time() + 300))
+    assert validator.validate(rec(fresh, get_dht_time() + 120))
