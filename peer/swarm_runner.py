@@ -125,7 +125,10 @@ class SwarmSync:
 
     def target(self, records: dict[str, PeerRecord]) -> Behind | None:
         """The best verified certified state that outranks ours (certificates are fetched and checked here)."""
-        return self.node.call(self.averager.chain.target(records), timeout=RECORDS_TIMEOUT_S)
+        try:
+            return self.node.call(self.averager.chain.target(records), timeout=RECORDS_TIMEOUT_S + 5)
+        except concurrent.futures.TimeoutError:  # the chain bounds its own lookups; this only guards the thread hop
+            return None
 
     # --- state ----------------------------------------------------------------------------------------------------
     def _resumed_head(self, loop: TrainingLoop) -> Head:

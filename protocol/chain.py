@@ -29,7 +29,7 @@ MAX_VERDICTS = 512
 MAX_CLAIMS_CHECKED = 3  # per look: the best few claims (each costs at most one small request per claimant tried)
 MAX_CLAIMANTS_ASKED = 2
 DISTRUST_S = 60.0  # a claimant that served an invalid certificate is not asked again for this long
-UNREACHABLE_S = 5.0  # nor one that could not be reached, for this long
+UNREACHABLE_S = 30.0  # nor one that did not answer in time (a hanging claimant stalls every look it is asked in)
 
 
 class Chain:
