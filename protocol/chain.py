@@ -59,15 +59,6 @@ class Chain:
         now = time.monotonic()
         return {p: r for p, r in records.items() if self._liars.get(p, 0.0) <= now}
 
-    def known(self, records: Mapping[str, PeerRecord]) -> Behind | None:
-        """The best claim already verified (no network): for a cheap look while training."""
-        for claim in self._claims(records):
-            verdict = self._verdicts.get((claim.round, claim.state_hash))
-            behind = self._accept(claim, verdict, records)
-            if behind is not None:
-                return behind
-        return None
-
     async def target(self, records: Mapping[str, PeerRecord]) -> Behind | None:
         """The best verified state that outranks ours, fetching certificates of the best few claims if needed; None
         when nothing could be verified within a few control timeouts (claimants that do not answer are skipped)."""

@@ -279,23 +279,29 @@ def validate_envelope(obj: Any) -> Report:
     return Report(peer_id=peer_id, run_id=run_id, kind=kind, timestamp=float(ts), nonce=nonce, body=body, signature=sig)
 
 
+def load_bounded_json(raw: bytes | str, *, max_bytes: int, what: str, error: type[ReportError] | Any) -> Any:
+    """`raw` as JSON, refusing oversized input (413), NaN/Infinity and anything unparseable (400) with `error`, an
+    exception class taking (message, status)."""
+    if len(raw) > max_bytes:
+        raise error(f"{what} is {len(raw)} bytes, at most {max_bytes} allowed", 413)
+
+    def _no_constants(name: str) -> Any:
+        raise error(f"non-finite number {name} is not allowed", 400)
+
+    try:
+        return json.loads(raw, parse_constant=_no_constants)
+    except error:
+        raise
+    except (ValueError, RecursionError) as e:
+        raise error(f"{what} is not valid JSON: {str(e)[:200]}", 400) from None
+
+
 def parse_report(raw: bytes | str, *, max_bytes: int = MAX_REPORT_BYTES) -> Report:
     """Decode, validate and signature-check one report.
 
     :raises ReportError: with ``status`` 413 (too large), 400 (malformed) or 401 (bad signature)
     """
-    if len(raw) > max_bytes:
-        raise ReportError(f"report is {len(raw)} bytes, at most {max_bytes} allowed", status=413)
-
-    def _no_constants(name: str) -> Any:
-        raise ReportError(f"non-finite number {name} is not allowed")
-
-    try:
-        obj = json.loads(raw, parse_constant=_no_constants)
-    except ReportError:
-        raise
-    except (ValueError, RecursionError) as e:
-        raise ReportError(f"report is not valid JSON: {str(e)[:200]}") from None
+    obj = load_bounded_json(raw, max_bytes=max_bytes, what="report", error=ReportError)
     report = validate_envelope(obj)
     if not verify(report.peer_id, canonical_bytes(obj), bytes.fromhex(report.signature)):
         raise ReportError("signature does not verify against the key in peer_id", status=401)

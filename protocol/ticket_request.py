@@ -24,7 +24,7 @@ from typing import Any
 
 from protocol.admission import ROLES
 from protocol.identity import Identity, verify
-from protocol.reports import NONCE_RE, PEER_ID_RE, RUN_ID_RE, SIG_RE
+from protocol.reports import NONCE_RE, PEER_ID_RE, RUN_ID_RE, SIG_RE, load_bounded_json
 
 __all__ = [
     "MAX_AGE_S",
@@ -123,18 +123,7 @@ def parse_ticket_request(raw: bytes | str, *, max_bytes: int = MAX_REQUEST_BYTES
 
     :raises TicketRequestError: with ``status`` 413 (too large), 400 (malformed) or 401 (bad signature)
     """
-    if len(raw) > max_bytes:
-        raise TicketRequestError(f"ticket request is {len(raw)} bytes, at most {max_bytes} allowed", status=413)
-
-    def _no_constants(name: str) -> Any:
-        raise TicketRequestError(f"non-finite number {name} is not allowed")
-
-    try:
-        obj = json.loads(raw, parse_constant=_no_constants)
-    except TicketRequestError:
-        raise
-    except (ValueError, RecursionError) as e:
-        raise TicketRequestError(f"ticket request is not valid JSON: {str(e)[:200]}") from None
+    obj = load_bounded_json(raw, max_bytes=max_bytes, what="ticket request", error=TicketRequestError)
     request = _validate(obj)
     if not verify(request.peer_id, request.signed_bytes(), bytes.fromhex(request.signature)):
         raise TicketRequestError("signature does not verify against the key in peer_id", status=401)

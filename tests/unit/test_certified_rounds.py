@@ -154,7 +154,8 @@ def test_round_inflation_is_not_followed(net: FakeNetwork, forgery: str) -> None
     results, _ = _round_of(honest)
     assert [r.outcome for r in results] == [Outcome.COMMITTED] * 3
     assert all(a.head.round == 1 and a.head.certificate is not None for a in honest)
-    assert all(a.chain.known({attacker.peer_id: _record_of(attacker)}) is None for a in honest)
+    claim = {attacker.peer_id: _record_of(attacker)}
+    assert all(a.transport.call(a.chain.target(claim), timeout=10) is None for a in honest)
 
 
 def _record_of(transport: FakeTransport):  # type: ignore[no-untyped-def]
