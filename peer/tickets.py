@@ -115,7 +115,7 @@ class Admission:
 
             try:
                 ticket = request_ticket(self.coordinator, self.identity, self.run_id, invite=cfg.invite,
-                                        timeout=AUTHORITY_TIMEOUT_S)
+                                        timeout=AUTHORITY_TIMEOUT_S, authority=self.gate.authority)
             except TicketError as exc:
                 raise AdmissionSetupError(str(exc)) from None
         else:
