@@ -53,9 +53,17 @@ class Chain:
         return certificate.problem(run_id=self.transport.run_id, gate=self.gate, quorum=self.quorum)
 
     def credible(self, records: Mapping[str, PeerRecord]) -> dict[str, PeerRecord]:
-        """The records of peers that have not just failed to back a claim. A peer that claims a state it cannot
-        certify is not counted in the swarm a group must be a majority of: else a few liars claiming far-ahead
-        rounds would raise the majority out of the honest peers' reach."""
+        """The records that count toward the swarm a group must be a majority of: not those of peers that just
+        failed to back a claim, nor any claim ahead of our state whose certificate we have not verified. Else a few
+        admitted peers claiming far-ahead rounds — refusing, or simply never answering, certificate requests —
+        would raise the majority out of the honest peers' reach. A peer truly ahead is verified on the next look
+        (and then we re-sync to it rather than form a group without it)."""
+        h = self.head
+        ours = (h.work, h.round, h.state_hash)
+        return {p: r for p, r in self._not_liars(records).items()
+                if (r.round, r.state_hash) in self._verdicts or not outranks((r.work, r.round, r.state_hash), ours)}
+
+    def _not_liars(self, records: Mapping[str, PeerRecord]) -> dict[str, PeerRecord]:
         now = time.monotonic()
         return {p: r for p, r in records.items() if self._liars.get(p, 0.0) <= now}
 
@@ -92,7 +100,9 @@ class Chain:
                 records: Mapping[str, PeerRecord]) -> Behind | None:
         if not isinstance(verdict, Certificate) or verdict.statement.work != claim.work:
             return None
-        active = active_past_genesis(self.credible(records))
+        # Here unverified claims do count: the fewer peers a certificate must speak for, the easier a colluding
+        # minority's own chain would be adopted.
+        active = active_past_genesis(self._not_liars(records))
         if not supports(verdict.statement, active):
             logger.info("round %d %s…: its certificate speaks for %d peers, we see %d past genesis; not adopting",
                         claim.round, claim.state_hash[:12], verdict.statement.swarm, active)

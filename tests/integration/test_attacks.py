@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -39,6 +40,7 @@ from protocol.wire import close_writer, read_frame, write_frame
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 HONEST = ["a", "b", "c"]
+ROUND_CAP = 40
 
 
 @pytest.fixture
@@ -127,7 +129,9 @@ def _peer_ids(swarm: Swarm) -> dict[str, str]:
 
 def test_hostile_peers_cannot_move_the_swarm(swarm: Swarm) -> None:
     for name in HONEST:
-        swarm.start(name, "--round-timeout", "20", rounds=6, wait_for=3, inner_steps=10)
+        # More rounds than the test needs: the honest peers must still be running while every attack is checked
+        # (on a busy machine six rounds can be over before that); they are stopped once six rounds are certified.
+        swarm.start(name, "--round-timeout", "20", rounds=ROUND_CAP, wait_for=3, inner_steps=10)
     fingerprint = _fingerprint(swarm)
     numel = _numel_of(swarm)
     hostile: list[SwarmNode] = []
@@ -216,7 +220,12 @@ def test_hostile_peers_cannot_move_the_swarm(swarm: Swarm) -> None:
                 assert reply.status == pb.JoinReply.NOT_ADMITTED, (why, reply)
                 header = node.call(_ask_state(node, peer, fingerprint), timeout=60)
                 assert not header.ok and "not admitted" in header.message, (why, header)
-        swarm.wait_exit(300)
+        swarm.wait_for(lambda: all(len(swarm.committed(n)) >= 6 for n in HONEST), 300,
+                       "six certified rounds on every honest peer")
+        for name in HONEST:
+            swarm.peers[name].proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+        codes = swarm.wait_exit(120)
+        assert all(code == 0 for code in codes.values()), swarm.tails()
         stop_following.set()
         follower.join(15)
         seen = inflator.call(inflator.fetch_records(timeout=5), timeout=10)
@@ -226,14 +235,14 @@ def test_hostile_peers_cannot_move_the_swarm(swarm: Swarm) -> None:
             node.shutdown()
 
     committed = assert_no_split(swarm, HONEST)
-    assert sorted(committed) == list(range(1, 7)), committed  # every round certified, none skipped to 1001
-    finals = {swarm.summary(n)["state_hash"] for n in HONEST}
-    assert len(finals) == 1 and finals == {committed[6]}
+    last = max(committed)
+    assert sorted(committed) == list(range(1, last + 1)) and 6 <= last < ROUND_CAP, committed  # none skipped to 1001
     for name in HONEST:
         summary = swarm.summary(name)
-        assert summary["rounds"] == 6 and math.isfinite(summary["final_eval_loss"]), summary
+        assert summary["state_hash"] in committed.values(), summary  # every peer stopped on the one certified chain
+        assert summary["rounds"] >= 6 and math.isfinite(summary["final_eval_loss"]), summary
         assert summary["final_eval_loss"] < summary["initial_eval_loss"]
-        assert not [e for e in swarm.events(name, "resync") if e["round"] > 6]
+        assert not [e for e in swarm.events(name, "resync") if e["round"] >= 1000]
     assert victim in _peer_ids(swarm).values()
     # The claimer ranks first for some states and holds whoever joins it; such a peer skips it for the next rounds.
     # It never leads a committed round.

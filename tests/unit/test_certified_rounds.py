@@ -27,7 +27,7 @@ from protocol.certificates import Certificate, Head, Statement
 from protocol.identity import Identity
 from protocol.matchmaking import Group, RoundAborted
 from protocol.rounds import Behind, Outcome
-from protocol.state_sync import ServedState
+from protocol.state_sync import ServedState, state_handler
 from protocol.testing.fake import FakeNetwork, FakeTransport
 
 pytestmark = pytest.mark.timeout(60)
@@ -246,6 +246,24 @@ def test_liars_claiming_far_ahead_rounds_do_not_raise_the_majority(net: FakeNetw
     for i in range(3):
         liar = _ticketed(net.peer())
         serve_state(averager_for(liar, quorum=2, gate=Gate(liar.run_id, AUTHORITY.peer_id)))
+        announce(liar, 1000 + i, f"{i}" * 64, work=10**12, ready=False)
+    results, _ = _round_of(honest)
+    assert [r.outcome for r in results] == [Outcome.COMMITTED] * 3
+    assert {r.certificate.statement.swarm for r in results} == {3}  # type: ignore[union-attr]
+
+
+def test_claimants_too_slow_to_back_their_claims_do_not_raise_the_majority(net: FakeNetwork) -> None:
+    """Three admitted peers claim far-ahead rounds and hang on every certificate request. A claimant that times out
+    is not a proven liar, but until its claim is backed it must not count toward the swarm a group needs a majority
+    of: counted, the three would hold the honest peers below a majority of six for as long as they keep hanging."""
+    honest = _admitted(net, 3, quorum=3)
+
+    async def hang(caller: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(30)
+
+    for i in range(3):
+        liar = _ticketed(net.peer())
+        net.call(liar.add_handler(state_handler(liar.run_id), hang), timeout=5)
         announce(liar, 1000 + i, f"{i}" * 64, work=10**12, ready=False)
     results, _ = _round_of(honest)
     assert [r.outcome for r in results] == [Outcome.COMMITTED] * 3
