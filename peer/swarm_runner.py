@@ -28,24 +28,25 @@ from peer.swarm_state import (
     all_finite,
     flatten,
     genesis_hash,
+    layout_of,
     local_model,
     parse_blob,
     rebase,
     state_blob,
     unflatten,
-    verify_blob,
 )
 from peer.tickets import Admission
 from peer.training import TrainingLoop, harness_hooks
 from protocol.averager import Averager, Contribution, RoundResult
 from protocol.certificates import Certificate, Head
+from protocol.hashing import known_leaves
 from protocol.hooks import Hooks
 from protocol.identity import load_or_create_identity
 from protocol.matchmaking import Group, RoundAborted
 from protocol.node import SwarmNode
 from protocol.records import PeerRecord
 from protocol.rounds import Behind, Outcome, compatibility_problem, compatible, group_forming
-from protocol.state_sync import ServedState, StateServer, StateSyncError, download_state
+from protocol.state_sync import FetchConfig, ServedState, StateServer, StateSyncError, download_state
 
 logger = logging.getLogger(__name__)
 PEEK_S = 0.5  # while training, how often a peer looks whether a group for its round is forming
@@ -90,9 +91,10 @@ class SwarmSync:
         creds, gate = self.admission.credentials, self.admission.gate
         self.averager = Averager(self.node, self.cfg.round, self.model, credentials=creds, gate=gate,
                                  genesis_hash=self.genesis, hooks=self.hooks)
+        self.averager.start()  # first: the state server shares its data plane
         self.server = StateServer(self.node, self.model.fingerprint, gate=gate, credentials=creds,
+                                  data_plane=self.averager.data_plane,
                                   control_timeout_s=self.cfg.round.control_timeout_s, hooks=self.hooks)
-        self.averager.start()
         self.node.call(self.server.register(), timeout=RECORDS_TIMEOUT_S)
         self.publish_state(self._resumed_head(loop))
         loop.progress.event("joined", peer_id=self.node.peer_id, maddrs=self.node.visible_maddrs(), round=r.round)
@@ -159,7 +161,7 @@ class SwarmSync:
         self.head, self.state_hash = head, head.state_hash
         cert = head.certificate.to_bytes() if head.certificate is not None else b""
         self.server.publish(ServedState(round=r.round, state_hash=head.state_hash, blob=state_blob(r),
-                                        certificate=cert))
+                                        certificate=cert, leaves=known_leaves(head.state_hash) or ()))
         self.averager.set_state(head)
         self.loop.checkpoint_extra.update(certificate=cert.decode() or None, work=head.work)
         record = PeerRecord.announce(fingerprint=self.model.fingerprint, config_json=self.model.config_json,
@@ -178,11 +180,11 @@ class SwarmSync:
                     donors=target.donors,
                     round_number=target.round,
                     state_hash=target.state_hash,
-                    total_bytes=8 * self.model.numel,
+                    layout=layout_of(r),  # every chunk is checked against the leaves this certified hash commits to
                     fingerprint=self.model.fingerprint,
-                    verify=lambda b: verify_blob(b, r),
-                    control_timeout=self.cfg.round.control_timeout_s,
+                    config=FetchConfig(control_timeout_s=self.cfg.round.control_timeout_s),
                     ticket=self.admission.credentials.ticket,
+                    timeout=DOWNLOAD_TIMEOUT_S - 5,
                 ),
                 timeout=DOWNLOAD_TIMEOUT_S,
             )
@@ -320,7 +322,10 @@ class SwarmSync:
             excluded=result.excluded,
             state_hash=cert.statement.new_hash,
             average_s=round_float(result.seconds),
-            direct=result.direct,
+            certify_s=round_float(result.certify_s),  # of average_s: votes and the certificate
+            pipes=result.pipes,  # shard connections to the other contributors
+            direct=result.direct,  # of those, on the TCP data plane
+            bytes_sent=result.bytes_sent,
         )
         if result.outcome == Outcome.MISMATCH:
             # We rolled back; the certified state is the one the others reached.

@@ -1,12 +1,13 @@
-"""A direct TCP data plane for the bulk tensors of a round, beside libp2p.
+"""A direct TCP data plane for the bulk bytes of a round and of state downloads, beside libp2p.
 
 libp2p (through the p2pd daemon) stays the control channel: it authenticates peers, traverses NAT and carries the
-join/close handshake. When a leader closes a group it hands each member, over that authenticated stream, the
-leader's TCP addresses and a one-time token. A member that can reach one of them opens a plain TCP connection,
-presents the token, and moves its pseudo-gradient (and receives the average) there; a member that cannot falls
-back to the libp2p stream. The TCP bytes are not encrypted: pass `--no-data-plane` on networks you do not trust.
+join/close handshake. Secrets for the data plane are handed out only over those authenticated streams: in a round,
+each member's token for its shard connections reaches the other members through the leader; a donor hands a
+joiner a one-time token. A peer that can reach the advertised TCP address opens a plain connection and presents
+the token; one that cannot falls back to a libp2p stream. The TCP bytes are not encrypted: pass `--no-data-plane`
+on networks you do not trust.
 
-The bulk bytes bypass the event loop: a data connection is a plain blocking socket driven from a small thread pool,
+The bulk bytes bypass the event loop: a data connection is a plain blocking socket driven from a thread pool,
 so the kernel copies a payload straight from the sender's tensor into the receiver's buffer (`sendall` of a
 memoryview, `recv_into`). Through asyncio streams the same 100 MiB cost ~2.5x longer on loopback (three extra
 copies through the transport's buffers). Frames are those of `protocol.wire`, with the same caps and deadlines.
@@ -43,8 +44,10 @@ R = TypeVar("R")
 _CHUNK = 16 << 20  # bytes per send/recv call: the deadline is re-checked between calls
 _HELLO_TIMEOUT_S = 5.0
 # Every blocking socket call of the data plane runs here, never in the loop's default executor (which decodes
-# tensors): a group of many members must not starve the codec, nor the codec the sockets.
-_IO = ThreadPoolExecutor(max_workers=32, thread_name_prefix="swarmloco-data")
+# tensors): a group of many members must not starve the codec, nor the codec the sockets. In a sharded round a
+# member sends to and receives from every other member at once (2 (N - 1) blocking calls); a pool smaller than that
+# could fill with sends whose receivers are all queued behind their own sends, so it is sized for 64 members.
+_IO = ThreadPoolExecutor(max_workers=160, thread_name_prefix="swarmloco-data")
 
 
 def hosts_from_maddrs(maddrs: list[str]) -> list[str]:
@@ -146,6 +149,9 @@ class DataConn:
                 return
 
 
+Listener = Callable[[DataConn, pb.DataHello], None]
+
+
 @dataclass
 class DataPlane:
     bind_host: str
@@ -154,6 +160,7 @@ class DataPlane:
     _listener: socket.socket | None = None
     _accepting: asyncio.Task[None] | None = None
     _expected: dict[str, asyncio.Future[DataConn]] = field(default_factory=dict)
+    _listeners: dict[str, Listener] = field(default_factory=dict)
     _handshakes: set[asyncio.Task[None]] = field(default_factory=set)
 
     async def start(self) -> None:
@@ -173,7 +180,13 @@ class DataPlane:
         self._expected[token] = future
         return token, future
 
+    def listen(self, token: str, on_connection: Listener) -> None:
+        """Hand every connection whose hello presents `token` to `on_connection` (with the hello), until forgotten.
+        The listener owns the connection from then on (and closes the ones it does not want)."""
+        self._listeners[token] = on_connection
+
     def forget(self, token: str) -> None:
+        self._listeners.pop(token, None)
         future = self._expected.pop(token, None)
         if future is not None and not future.done():
             future.cancel()
@@ -203,6 +216,10 @@ class DataPlane:
         except asyncio.CancelledError:
             conn.close()
             raise
+        listener = self._listeners.get(hello.token)
+        if listener is not None:
+            listener(conn, hello)
+            return
         future = self._expected.pop(hello.token, None)
         if future is None or future.done():
             conn.close()  # unknown or reused token: not ours to serve
@@ -220,7 +237,8 @@ class DataPlane:
             self._listener = None
 
 
-async def connect(addrs: list[str], token: str, *, timeout: float = 3.0) -> DataConn | None:
+async def connect(addrs: list[str], token: str, *, timeout: float = 3.0, sender: str = "",
+                  round_number: int = 0) -> DataConn | None:
     """Open a data connection to the first reachable address; None when none is (use libp2p instead)."""
     loop = asyncio.get_running_loop()
     for addr in addrs:
@@ -234,7 +252,7 @@ async def connect(addrs: list[str], token: str, *, timeout: float = 3.0) -> Data
             continue
         conn = DataConn(sock)
         try:
-            await conn.send_frame(pb.DataHello(token=token), timeout=timeout)
+            await conn.send_frame(pb.DataHello(token=token, sender=sender, round=round_number), timeout=timeout)
             return conn
         except WireError as exc:
             conn.close()

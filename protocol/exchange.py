@@ -1,9 +1,9 @@
-"""Moving one round's tensors: each member's contribution to the leader, and the leader's result back.
+"""The control side of a round between a leader and its members, on the authenticated libp2p join streams.
 
-A member and its leader are joined by a `Link`: the authenticated libp2p stream the member joined on, plus — when
-the member could reach the leader's data plane — a direct TCP connection for the bulk bytes. A link decides once
-which of the two carries a frame, so neither side repeats that choice. The leader's checks on what arrives
-(size, codec, finiteness, token bound, staleness) are made here, before anything is accumulated.
+A member and its leader are joined by a `Link`: the stream the member joined on. After the group closes it
+carries only small frames — the member's claim (tokens, staleness, how to reach it), the leader's plan, the
+member's vote and the leader's certificate; the tensors move between the members themselves (`protocol.shards`).
+The leader's checks on a claim are made here, before the claim can weigh anything.
 """
 from __future__ import annotations
 
@@ -12,12 +12,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-import torch
 from google.protobuf.message import Message
 
 from protocol import swarmloco_wire_pb2 as pb
-from protocol.codecs import Codec, CodecError
-from protocol.data_plane import DataConn
+from protocol.plans import MAX_ADDRS, MAX_FIELD_CHARS, Endpoint
 from protocol.rounds import check_contribution
 from protocol.wire import WireError, close_writer, frame_bytes, read_frame, write_frame
 
@@ -30,115 +28,84 @@ class Link:
     peer: str
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
-    direct: DataConn | None = None  # the TCP data connection, once one is in use
-    offer: asyncio.Future[DataConn] | None = None  # leader: resolves when the member dials the data plane
-    token: str = ""  # leader: the one-time data-plane token offered to this member
 
     async def send(self, header: Message, payload: bytes | bytearray | memoryview = b"", *, timeout: float) -> int:
-        """One frame, on the data connection when there is one; returns the bytes it took."""
-        if self.direct is not None:
-            await self.direct.send_frame(header, payload, timeout=timeout)
-        else:
-            await write_frame(self.writer, header, payload, timeout=timeout)
+        """One frame; returns the bytes it took."""
+        await write_frame(self.writer, header, payload, timeout=timeout)
         return frame_bytes(header, len(payload))
 
     async def recv(self, header_type: type[M], *, max_payload: int, timeout: float) -> tuple[M, bytearray]:
-        if self.direct is not None:
-            return await self.direct.recv_frame(header_type, max_payload=max_payload, timeout=timeout)
         return await read_frame(self.reader, header_type, max_payload=max_payload, timeout=timeout)
 
     def close(self) -> None:
-        """Idempotent; TCP and libp2p still deliver what was sent before the close."""
+        """Idempotent; libp2p still delivers what was sent before the close."""
         close_writer(self.writer)
-        if self.direct is not None:
-            self.direct.close()
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What a contributor brings to a round, as its leader admitted it."""
+
+    tokens: int
+    staleness: int
+    endpoint: Endpoint
+    bandwidth: float
 
 
 @dataclass
-class Received:
-    """What a leader collected: admissible contributions by peer, the refused ones with the reason, wire bytes."""
+class Claims:
+    """What a leader collected: admissible claims by peer, the refused ones with the reason."""
 
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    claims: dict[str, tuple[int, int]] = field(default_factory=dict)  # peer -> (tokens, staleness)
+    admitted: dict[str, Claim] = field(default_factory=dict)
     excluded: dict[str, str] = field(default_factory=dict)
-    bytes: int = 0
 
 
-async def send_contribution(link: Link, header: pb.Contribution, payload: bytes | memoryview, *, timeout: float) -> int:
-    """Member side. With a data connection, the control stream only announces it and the bytes go direct."""
-    if link.direct is not None:
-        await write_frame(link.writer, pb.Contribution(via_data_plane=True), timeout=timeout)
-    return await link.send(header, payload, timeout=timeout)
+def claim_problem(header: pb.Contribution, *, codec: str, numel: int, max_staleness: int) -> str:
+    """Why a member's claim is refused ("" when it is admissible)."""
+    problem = check_contribution(codec=header.codec, numel=header.numel, tokens=header.tokens,
+                                 staleness=header.staleness, expect_codec=codec, expect_numel=numel,
+                                 max_staleness=max_staleness)
+    if problem:
+        return problem
+    fields = [*header.data_addrs, header.data_token]
+    if len(header.data_addrs) > MAX_ADDRS or not header.data_token or any(len(f) > MAX_FIELD_CHARS for f in fields):
+        return "malformed shard endpoint"
+    if not 0 <= header.bandwidth < float("inf"):
+        return f"bandwidth {header.bandwidth} is not a finite non-negative number"
+    return ""
 
 
-async def receive_contribution(link: Link, *, codec: Codec, numel: int, max_staleness: int, timeout: float,
-                               into: Received) -> None:
-    """Leader side: read, check and decode one member's contribution into `into` (or record why it was refused)."""
-    cap = codec.encoded_size(numel)
-    try:
-        header, body = await read_frame(link.reader, pb.Contribution, max_payload=cap, timeout=timeout)
-        if header.via_data_plane:
-            if link.offer is None:
-                into.excluded[link.peer] = "announced a data connection it was never offered"
-                return
-            try:
-                link.direct = await asyncio.wait_for(asyncio.shield(link.offer), timeout)
-            except TimeoutError:
-                into.excluded[link.peer] = "announced a data connection that never arrived"
-                return
-            header, body = await link.direct.recv_frame(pb.Contribution, max_payload=cap, timeout=timeout)
-        into.bytes += frame_bytes(header, len(body))
-        problem = check_contribution(
-            codec=header.codec,
-            numel=header.numel,
-            tokens=header.tokens,
-            staleness=header.staleness,
-            expect_codec=codec.name,
-            expect_numel=numel,
-            max_staleness=max_staleness,
-        )
-        if problem:
-            into.excluded[link.peer] = problem
-            return
-        tensor = await asyncio.get_running_loop().run_in_executor(None, codec.decode, body, numel)
-        into.tensors[link.peer] = tensor
-        into.claims[link.peer] = (int(header.tokens), int(header.staleness))
-    except WireError as exc:
-        into.excluded[link.peer] = f"no contribution: {exc}"
-    except CodecError as exc:
-        into.excluded[link.peer] = f"malformed tensor: {exc}"
-
-
-async def collect(links: dict[str, Link], *, codec: Codec, numel: int, max_staleness: int, timeout: float) -> Received:
-    """Every member's contribution in parallel; a member still sending after `timeout` is excluded."""
-    into = Received()
+async def collect_claims(links: dict[str, Link], *, codec: str, numel: int, max_staleness: int,
+                         timeout: float) -> Claims:
+    """Every member's claim in parallel; a member silent after `timeout` is excluded."""
+    into = Claims()
 
     async def one(link: Link) -> None:
         try:
-            await asyncio.wait_for(
-                receive_contribution(
-                    link, codec=codec, numel=numel, max_staleness=max_staleness, timeout=timeout, into=into
-                ),
-                timeout,
-            )
-        except TimeoutError:
-            into.excluded[link.peer] = f"no contribution within {timeout:.0f}s"
+            header, _ = await link.recv(pb.Contribution, max_payload=0, timeout=timeout)
+        except WireError as exc:
+            into.excluded[link.peer] = f"no contribution: {exc}"
+            return
+        problem = claim_problem(header, codec=codec, numel=numel, max_staleness=max_staleness)
+        if problem:
+            into.excluded[link.peer] = problem
+            return
+        into.admitted[link.peer] = Claim(int(header.tokens), int(header.staleness),
+                                         Endpoint(tuple(header.data_addrs), header.data_token), float(header.bandwidth))
 
     await asyncio.gather(*(one(link) for link in links.values()))
     return into
 
 
-async def broadcast(
-    links: dict[str, Link], header: pb.RoundResult, payload: bytes | memoryview = b"", *, timeout: float
-) -> int:
-    """The same result frame to every member; returns the bytes delivered. A member that cannot be reached is
-    logged and skipped: it finds itself behind and re-syncs to the committed state."""
+async def broadcast(links: dict[str, Link], header: Message, *, timeout: float) -> int:
+    """The same control frame to every member; returns the bytes delivered. A member that cannot be reached is
+    logged and skipped: it finds itself behind (or its round discarded) and carries on from the certified state."""
 
     async def one(link: Link) -> int:
         try:
-            return await link.send(header, payload, timeout=timeout)
+            return await link.send(header, timeout=timeout)
         except WireError as exc:
-            logger.info("could not deliver the round result to %s: %r (it will re-sync)", link.peer[-8:], exc)
+            logger.info("could not deliver %s to %s: %r", type(header).__name__, link.peer[-8:], exc)
             return 0
 
     return sum(await asyncio.gather(*(one(link) for link in links.values())))

@@ -29,6 +29,7 @@ class Group:
     release: asyncio.Future[None] | None = None  # leader: resolved once the exchange is over (join handlers then end)
     swarm: int = 1  # active peers the group is a majority of (the leader's count, checked by every member)
     tickets: dict[str, bytes] = field(default_factory=dict)  # leader: each member's ticket, for the certificate
+    planned: bool = False  # leader: the plan went out (an abort is then a Commit, not a Plan)
 
     @property
     def is_leader(self) -> bool:

@@ -7,8 +7,8 @@ Seen from a peer that holds θ_r and has spent its round budget:
    carries a valid ticket and matches our run, model, round and state; the member checks the leader's ticket.
 3. A leader closes the group once it has a majority of the active swarm and at least `quorum` peers
    (`protocol.certificates.need`) *and* the grace window has passed (it waits a little for peers whose records say
-   they are about to be ready). Closing sends every member the member list, the swarm size and, with a TCP data
-   plane, an address and a one-time token for the bulk bytes.
+   they are about to be ready). Closing sends every member the member list and the swarm size; the round itself
+   (claims, plan, sharded reduce, votes) then runs in `protocol.round_steps`.
 4. Peers that read records at different moments can form two groups, both below that size. Every peer orders
    leaders the same way, so the worse-ranked leader, after seeing the better one twice in a row, releases its
    members (nothing was closed, so nothing can split) and joins it.
@@ -26,7 +26,6 @@ from protocol import swarmloco_wire_pb2 as pb
 from protocol.admission import Credentials, Gate
 from protocol.certificates import need
 from protocol.chain import Chain
-from protocol.data_plane import DataPlane, connect
 from protocol.exchange import Link
 from protocol.groups import Group as Group  # re-exported: what matchmaking hands the exchange
 from protocol.groups import RoundAborted as RoundAborted
@@ -105,13 +104,10 @@ class Matchmaker:
         chain: Chain,
         gate: Gate,
         credentials: Credentials,
-        data_plane: DataPlane | None,
-        dial_data_plane: bool,
     ) -> None:
         self.transport, self.cfg, self.model = transport, cfg, model
         self.chain, self.gate, self.credentials = chain, gate, credentials
         self.deadlines = Deadlines.of(cfg)
-        self.data_plane, self.dial_data_plane = data_plane, dial_data_plane
         self.handler_name = f"swarmloco/{transport.run_id}/avg/v{PROTOCOL_VERSION}"
         self.round, self.state_hash, self.seed = 0, "", ""
         self.refusals: list[str] = []  # why other peers refused us: each reason is logged once
@@ -264,10 +260,6 @@ class Matchmaker:
                 round=collect.round, members=names, codec=self.cfg.codec, deadline_s=self.deadlines.transfer,
                 swarm=swarm,
             )
-            if self.data_plane is not None:
-                link.token, link.offer = self.data_plane.expect()
-                message.data_addrs.extend(self.data_plane.addrs)
-                message.data_token = link.token
             try:
                 await write_frame(link.writer, message, timeout=self.deadlines.control)
                 return True
@@ -338,8 +330,6 @@ class Matchmaker:
                 link.close()
                 return _SKIP_DROPPED_S
             self.transport.update_record(ready=False)
-            if self.dial_data_plane and closed.data_addrs and closed.data_token:
-                link.direct = await connect(list(closed.data_addrs)[:8], closed.data_token, timeout=min(3.0, d.control))
             return Group(
                 round=attempt.round,
                 me=self.transport.peer_id,

@@ -79,19 +79,15 @@ class LocalModel:
 class Deadlines:
     """Every wait of one round, in seconds, from one RoundConfig (no other literal timeouts in the protocol)."""
 
-    control: float  # one control frame
-    transfer: float  # one contribution or one result on the wire
-    collect: float  # leader: all contributions in (they arrive in parallel)
-    result: float  # member: from its contribution sent to the result received (the leader collects, then sends)
-    linger: float  # leader: how long a member's stream stays open after the result, for it to be read
-    exchange: float  # the whole exchange as the training thread waits for it: contribution, result, slack
+    control: float  # one control frame (a claim, the plan, a vote, the certificate; opening the shard pipes)
+    transfer: float  # all parts of the shards on the wire, and again all reduced shards
+    linger: float  # leader: how long a member's stream stays open after the certificate, for it to be read
+    exchange: float  # the whole exchange as the training thread waits for it: claims, plan, pipes, two transfers
 
     @classmethod
     def of(cls, cfg: RoundConfig) -> Deadlines:
-        transfer = cfg.exchange_timeout_s
-        result = 2 * transfer
-        return cls(control=cfg.control_timeout_s, transfer=transfer, collect=transfer, result=result, linger=transfer,
-                   exchange=transfer + result + 2 * cfg.control_timeout_s)
+        transfer, control = cfg.exchange_timeout_s, cfg.control_timeout_s
+        return cls(control=control, transfer=transfer, linger=transfer, exchange=2 * transfer + 5 * control)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from protocol.state_sync import ServedState, StateServer
 from protocol.testing.fake import FakeNetwork, FakeTransport
 
 H0 = "0" * 64  # θ_0 of the fake run
-NUMEL = 64
+NUMEL = 1000  # several quantisation blocks, not a whole number of them: shards of unequal size
 MODEL = LocalModel(fingerprint="fp", config={"numel": NUMEL}, numel=NUMEL)
 FAST = dict(
     grace_min_s=0.0, grace_max_s=0.2, round_timeout_s=5, exchange_timeout_s=1, control_timeout_s=1, codec="fp32"

@@ -94,12 +94,12 @@ def test_data_plane_accepts_only_offered_tokens_once() -> None:
             assert member is not None
             leader_side = await asyncio.wait_for(future, 5)
             payload = bytes(range(256)) * 4096  # 1 MiB, crosses many recv calls
-            await leader_side.send_frame(pb.RoundResult(round=7), payload, timeout=5)
-            header, body = await member.recv_frame(pb.RoundResult, max_payload=len(payload), timeout=5)
+            await leader_side.send_frame(pb.ShardResult(round=7), payload, timeout=5)
+            header, body = await member.recv_frame(pb.ShardResult, max_payload=len(payload), timeout=5)
             assert header.round == 7 and body == payload
-            await leader_side.send_frame(pb.RoundResult(round=8), payload, timeout=5)
+            await leader_side.send_frame(pb.ShardResult(round=8), payload, timeout=5)
             with pytest.raises(WireError, match="cap is 100"):  # announced size checked before anything is read
-                await member.recv_frame(pb.RoundResult, max_payload=100, timeout=5)
+                await member.recv_frame(pb.ShardResult, max_payload=100, timeout=5)
             replay = await connect(plane.addrs, token)  # a used token is worthless
             assert replay is not None
             await replay.read_eof(timeout=5)
@@ -109,7 +109,7 @@ def test_data_plane_accepts_only_offered_tokens_once() -> None:
             assert silent is not None
             quiet_leader = await asyncio.wait_for(future2, 5)
             with pytest.raises(WireError, match="deadline|timed out"):  # nobody sends: the read gives up in time
-                await silent.recv_frame(pb.RoundResult, max_payload=0, timeout=0.3)
+                await silent.recv_frame(pb.ShardResult, max_payload=0, timeout=0.3)
             for conn in (stranger, member, leader_side, replay, silent, quiet_leader):
                 conn.close()
                 conn.close()  # idempotent

@@ -1,0 +1,218 @@
+"""The network steps of one round, each a coroutine on the transport's loop: plan and exchange, then certify.
+
+`Averager.run_round` drives them from the training thread, which applies the average in between:
+
+    exchange  leader: collect the members' claims, bound their weights, cut the vector into shards, send the plan;
+              member: send the claim, receive and check the plan. Then everyone runs the sharded reduce.
+    certify   member: sign the statement with its own new hash and vote; wait for the certificate.
+              leader: count the votes for its own hash and, with a majority of the swarm, send the certificate.
+    abort     tell the members the round is over without a certificate (leader), or just leave (member).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import replace
+
+import torch
+
+from protocol import swarmloco_wire_pb2 as pb
+from protocol.admission import Credentials
+from protocol.certificates import Certificate, Head, Statement, need, refusal_to_sign, signed_by
+from protocol.chain import Chain
+from protocol.codecs import Codec
+from protocol.exchange import Claim, Link, broadcast, collect_claims
+from protocol.groups import Group, RoundAborted
+from protocol.hooks import Hooks
+from protocol.plans import Endpoint, Plan, bandwidth_shares, plan_problem, shard_bounds
+from protocol.rounds import Deadlines, LocalModel, RoundConfig, token_weights
+from protocol.shards import Reduced, ShardRouter, ShardTimeouts, reduce_shards
+from protocol.transport import Transport
+from protocol.wire import WireError
+
+logger = logging.getLogger(__name__)
+
+
+class RoundSteps:
+    def __init__(self, transport: Transport, cfg: RoundConfig, model: LocalModel, *, chain: Chain,
+                 credentials: Credentials, codec: Codec, router: ShardRouter, hooks: Hooks, use_tcp: bool) -> None:
+        self.transport, self.cfg, self.model, self.chain = transport, cfg, model, chain
+        self.credentials, self.codec, self.router, self.hooks = credentials, codec, router, hooks
+        self.use_tcp = use_tcp
+        self.deadlines = Deadlines.of(cfg)
+        self.bandwidth = 0.0  # bytes/s our uplink moved in the last exchange: sizes our next shard
+
+    # --- exchange -------------------------------------------------------------------------------------------------
+    async def exchange(self, group: Group, delta: torch.Tensor, tokens: int, staleness: int,
+                       prev: Head) -> tuple[Plan, Reduced]:
+        d = self.deadlines
+        inbox = self.router.open(group.round)
+
+        def after_parts() -> None:
+            if not group.is_leader:
+                self.hooks.after_send(group.round)
+
+        try:
+            endpoint = self.router.endpoint(inbox)
+            if group.is_leader:
+                plan = await self._plan(group, tokens, staleness, prev, endpoint)
+            else:
+                plan = await self._receive_plan(group, tokens, staleness, prev, endpoint)
+            reduced = await reduce_shards(plan, delta, me=group.me, codec=self.codec, router=self.router,
+                                          inbox=inbox, timeouts=ShardTimeouts(connect=d.control, transfer=d.transfer),
+                                          use_tcp=self.use_tcp, after_parts=after_parts)
+        except BaseException:
+            await self._release(group)
+            raise
+        finally:
+            self.router.close(inbox)
+        if reduced.send_s > 0 and reduced.sent > 0:
+            self.bandwidth = reduced.sent / reduced.send_s
+        return plan, reduced
+
+    async def _plan(self, group: Group, tokens: int, staleness: int, prev: Head, endpoint: Endpoint) -> Plan:
+        d, me = self.deadlines, group.me
+        claims = await collect_claims(group.links, codec=self.codec.name, numel=self.model.numel,
+                                      max_staleness=self.cfg.max_staleness, timeout=d.control)
+        claims.admitted[me] = Claim(tokens, staleness, endpoint, self.bandwidth)
+        exact = token_weights({p: (c.tokens, c.staleness) for p, c in claims.admitted.items()}, leader=me,
+                              cfg=self.cfg)
+        for peer, claim in claims.admitted.items():
+            if claim.tokens > self.cfg.weight_cap_factor * max(tokens, 1):
+                logger.warning("capping %s's claimed %d tokens at %.0f× ours", peer[-8:], claim.tokens,
+                               self.cfg.weight_cap_factor)
+        members = tuple(sorted(exact))
+        weights = tuple(max(1, round(exact[p])) for p in members)
+        if len(members) < need(group.swarm, self.cfg.quorum):
+            raise RoundAborted(f"only {len(members)} of the group contributed; a certificate needs "
+                               f"{need(group.swarm, self.cfg.quorum)}: {claims.excluded}")
+        bounds = shard_bounds(self.model.numel, bandwidth_shares([claims.admitted[p].bandwidth for p in members]))
+        plan = Plan(round=group.round, members=members, weights=weights, bounds=bounds,
+                    endpoints=tuple(claims.admitted[p].endpoint for p in members), codec=self.codec.name,
+                    numel=self.model.numel, prev_hash=prev.state_hash, swarm=group.swarm,
+                    work=prev.work + sum(weights), excluded=claims.excluded)
+        await broadcast(group.links, plan.to_pb(), timeout=d.control)
+        group.planned = True
+        return plan
+
+    async def _receive_plan(self, group: Group, tokens: int, staleness: int, prev: Head, endpoint: Endpoint) -> Plan:
+        d = self.deadlines
+        link = group.links[group.leader]
+        claim = pb.Contribution(tokens=tokens, codec=self.codec.name, numel=self.model.numel, staleness=staleness,
+                                data_addrs=endpoint.addrs, data_token=endpoint.token, bandwidth=self.bandwidth)
+        try:
+            await link.send(claim, timeout=d.control)
+            msg, _ = await link.recv(pb.Plan, max_payload=0, timeout=2 * d.control)
+        except WireError as exc:
+            raise RoundAborted(f"lost the leader before the plan: {exc}") from exc
+        if not msg.ok:
+            raise RoundAborted(f"leader aborted the round: {msg.reason[:300]}")
+        plan = Plan.from_pb(msg)
+        me = self.transport.peer_id
+        problem = plan_problem(plan, round_number=group.round, codec=self.codec.name, numel=self.model.numel, me=me,
+                               group=group.members, max_group=self.cfg.max_group)
+        if not problem:
+            provisional = Statement(run_id=self.transport.run_id, round=plan.round + 1, prev_hash=plan.prev_hash,
+                                    new_hash="0" * 64, members=plan.members, weights=plan.weights, swarm=plan.swarm,
+                                    work=plan.work)
+            problem = provisional.problem() or refusal_to_sign(
+                provisional, prev, round_number=group.round, swarm=group.swarm, group_members=group.members, me=me,
+                my_tokens=tokens, cap=self.cfg.weight_cap_factor)
+        if problem:
+            raise RoundAborted(f"leader's plan is not one we can take part in: {problem}")
+        return plan
+
+    # --- certify --------------------------------------------------------------------------------------------------
+    async def certify(self, group: Group, plan: Plan, statement: Statement) -> tuple[Certificate | None, str]:
+        """The round's certificate (None, with the reason, when there is none). A certificate of another hash
+        than ours means the swarm moved on without us: the caller re-syncs to it."""
+        try:
+            if group.is_leader:
+                return await self._certify_as_leader(group, statement)
+            return await self._vote(group, statement)
+        finally:
+            await self._release(group)
+
+    async def _certify_as_leader(self, group: Group, statement: Statement) -> tuple[Certificate | None, str]:
+        d = self.deadlines
+        # Members vote once they hold every shard and applied it: the slowest is up to one transfer behind us.
+        votes = await asyncio.gather(*(_vote_of(link, d.transfer + d.control) for link in group.links.values()))
+        body = statement.body()
+        signatures = {group.me: Certificate.sign(self.credentials.identity, statement)}
+        refusals = []
+        for peer, vote in zip(group.links, votes, strict=True):
+            if vote is None:
+                continue
+            if vote.accept and peer in statement.members and signed_by(peer, body, vote.signature):
+                signatures[peer] = vote.signature
+            elif vote.accept:
+                refusals.append(f"{peer[-8:]}: reached {vote.state_hash[:12]}…")
+            else:
+                refusals.append(f"{peer[-8:]}: {vote.reason[:200]}")
+        tickets = {p: group.tickets.get(p, b"").decode(errors="replace") for p in signatures if p != group.me}
+        tickets[group.me] = self.credentials.ticket.decode(errors="replace")
+        certificate = Certificate(statement, signatures, {p: t for p, t in tickets.items() if t})
+        problem = self.chain.verify(certificate)
+        if problem:
+            reason = f"no certificate: {problem}" + (f" (refused by {'; '.join(refusals)})" if refusals else "")
+            await broadcast(group.links, pb.Commit(ok=False, reason=reason), timeout=d.control)
+            return None, reason
+        await broadcast(group.links, pb.Commit(ok=True, certificate=certificate.to_bytes()), timeout=d.control)
+        return certificate, ""
+
+    async def _vote(self, group: Group, statement: Statement) -> tuple[Certificate | None, str]:
+        link = group.links[group.leader]
+        d = self.deadlines
+        vote = pb.Vote(accept=True, signature=Certificate.sign(self.credentials.identity, statement),
+                       state_hash=statement.new_hash)
+        try:
+            await link.send(vote, timeout=d.control)
+            # the leader waits for every member's vote, the slowest up to one transfer after us
+            commit, _ = await link.recv(pb.Commit, max_payload=0, timeout=d.transfer + 3 * d.control)
+        except WireError as exc:
+            return None, f"no certificate from the leader: {exc}"
+        if not commit.ok:
+            return None, f"leader has no certificate: {commit.reason[:300]}"
+        try:
+            certificate = Certificate.from_bytes(commit.certificate)
+        except ValueError as exc:
+            return None, f"leader sent a malformed certificate: {exc}"
+        problem = self.chain.verify(certificate)
+        theirs = certificate.statement
+        if not problem and theirs != statement and theirs != _with_hash(statement, theirs.new_hash):
+            problem = "it certifies another round than the one we took part in"
+        if problem:
+            return None, f"leader's certificate is invalid: {problem}"
+        return certificate, ""
+
+    # --- abort ----------------------------------------------------------------------------------------------------
+    async def abort(self, group: Group, reason: str) -> None:
+        """The round ends here without a certificate; members learn it from their leader (or its silence)."""
+        if group.is_leader:
+            message = pb.Commit(ok=False, reason=reason) if group.planned else pb.Plan(ok=False, reason=reason)
+            try:
+                await broadcast(group.links, message, timeout=self.deadlines.control)
+            finally:
+                await self._release(group)
+        else:
+            await self._release(group)
+
+    async def _release(self, group: Group) -> None:
+        """The round is over for us: join handlers may end; a member closes its link to the leader."""
+        if group.release is not None and not group.release.done():
+            group.release.set_result(None)
+        if not group.is_leader:
+            for link in group.links.values():
+                link.close()
+
+
+async def _vote_of(link: Link, timeout: float) -> pb.Vote | None:
+    try:
+        vote, _ = await link.recv(pb.Vote, max_payload=0, timeout=timeout)
+        return vote
+    except WireError:
+        return None
+
+
+def _with_hash(statement: Statement, new_hash: str) -> Statement:
+    return replace(statement, new_hash=new_hash)

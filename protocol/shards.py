@@ -1,0 +1,379 @@
+"""The sharded reduce of one round: every contributor reduces one shard of the group's vector.
+
+Contributor i cuts its encoded Δ along the plan's shard bounds and sends shard j to member j; member j averages
+shard j of every contribution with the plan's weights and sends the reduced shard to everyone. Each member's link
+then carries about 2 (N − 1) / N times the encoded vector, as in a ring all-reduce (a star's leader carries
+2 (N − 1) times), and each member decodes about one vector's worth of parts. Every reduced shard has exactly one
+source, its reducer, so all members that receive every shard apply bit-identical averages.
+
+Each pair of contributors shares one connection, used in both directions: the member earlier in the plan dials the
+later one's TCP data plane, presenting the later one's round token (which only the group learnt, through the
+leader's authenticated plan); when that fails, it opens a libp2p stream to it instead (`ShardRouter`).
+
+Nothing is half-applied: a reducer that lacks any planned part — its sender died, was too slow, sent garbage —
+has no result and says so to everyone; a member that misses any reduced shard applies nothing and the round ends
+uncertified for it. One shard lost is the whole round lost, never a partial average.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import torch
+from google.protobuf.message import Message
+
+from protocol import swarmloco_wire_pb2 as pb
+from protocol.codecs import Codec, CodecError
+from protocol.data_plane import DataConn, DataPlane, connect
+from protocol.groups import RoundAborted
+from protocol.plans import Endpoint, Plan
+from protocol.records import PROTOCOL_VERSION
+from protocol.transport import Transport
+from protocol.wire import WireError, close_writer, frame_bytes, read_frame, write_frame
+
+logger = logging.getLogger(__name__)
+M = TypeVar("M", bound=Message)
+_BYE_WAIT_S = 10.0  # at most this long, in the background, for the other side to confirm it has everything
+
+
+class Pipe:
+    """The connection between two contributors of one round: a TCP data connection or a libp2p stream."""
+
+    def __init__(self, peer: str, *, conn: DataConn | None = None, reader: asyncio.StreamReader | None = None,
+                 writer: asyncio.StreamWriter | None = None) -> None:
+        self.peer, self.conn, self.reader, self.writer = peer, conn, reader, writer
+        self.finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    @property
+    def direct(self) -> bool:
+        return self.conn is not None
+
+    async def send(self, header: Message, payload: bytes | bytearray | memoryview = b"", *, timeout: float) -> int:
+        if self.conn is not None:
+            await self.conn.send_frame(header, payload, timeout=timeout)
+        else:
+            assert self.writer is not None
+            await write_frame(self.writer, header, payload, timeout=timeout)
+        return frame_bytes(header, len(payload))
+
+    async def recv(self, header_type: type[M], *, max_payload: int, timeout: float) -> tuple[M, bytearray]:
+        if self.conn is not None:
+            return await self.conn.recv_frame(header_type, max_payload=max_payload, timeout=timeout)
+        assert self.reader is not None
+        return await read_frame(self.reader, header_type, max_payload=max_payload, timeout=timeout)
+
+    async def finish(self, round_number: int, *, timeout: float = _BYE_WAIT_S) -> None:
+        """Say we have everything, wait (bounded) until the other side says so too, and close."""
+        with contextlib.suppress(WireError, TimeoutError):
+            await self.send(pb.ShardBye(round=round_number), timeout=timeout)
+            await self.recv(pb.ShardBye, max_payload=0, timeout=timeout)
+        self.close()
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+        if self.writer is not None:
+            close_writer(self.writer)
+        if not self.finished.done():
+            self.finished.set_result(None)
+
+
+class Inbox:
+    """This member's end of one round's shard connections: the pipes the members before it in the plan open."""
+
+    def __init__(self, round_number: int, token: str, *, max_pipes: int) -> None:
+        self.round, self.token, self.max_pipes = round_number, token, max_pipes
+        self.expected: set[str] | None = None  # once the plan is known, only these senders are kept
+        self._pipes: dict[str, asyncio.Future[Pipe]] = {}
+        self._taken: set[str] = set()
+        self.closed = False
+
+    def _slot(self, peer: str) -> asyncio.Future[Pipe]:
+        if peer not in self._pipes:
+            self._pipes[peer] = asyncio.get_running_loop().create_future()
+        return self._pipes[peer]
+
+    def offer(self, pipe: Pipe) -> bool:
+        """Keep an incoming pipe; False (and closed) when it is unexpected, a duplicate, or one too many."""
+        unexpected = self.expected is not None and pipe.peer not in self.expected
+        full = pipe.peer not in self._pipes and len(self._pipes) >= self.max_pipes
+        if self.closed or unexpected or full or self._slot(pipe.peer).done():
+            pipe.close()
+            return False
+        self._slot(pipe.peer).set_result(pipe)
+        return True
+
+    def expect(self, senders: set[str]) -> None:
+        self.expected = senders
+        for peer in [p for p in self._pipes if p not in senders]:
+            slot = self._pipes.pop(peer)
+            if slot.done():
+                slot.result().close()
+
+    async def pipe(self, peer: str, *, timeout: float) -> Pipe:
+        """The pipe `peer` opened to us; from here on the caller owns it."""
+        pipe = await asyncio.wait_for(asyncio.shield(self._slot(peer)), timeout)
+        self._taken.add(peer)
+        return pipe
+
+    def close(self) -> None:
+        """No more pipes: those nobody took are closed (the ones taken close with their exchange)."""
+        self.closed = True
+        for peer, slot in self._pipes.items():
+            if not slot.done():
+                slot.cancel()
+            elif peer not in self._taken:
+                slot.result().close()
+
+
+class ShardRouter:
+    """Routes incoming shard connections (TCP hellos and libp2p streams) to the inbox of their round."""
+
+    def __init__(self, transport: Transport, data_plane: DataPlane | None, *, max_group: int,
+                 control_timeout: float) -> None:
+        self.transport, self.data_plane = transport, data_plane
+        self.max_group, self.control_timeout = max_group, control_timeout
+        self.handler_name = f"swarmloco/{transport.run_id}/shard/v{PROTOCOL_VERSION}"
+        self._inboxes: dict[str, Inbox] = {}
+
+    async def register(self) -> None:
+        await self.transport.add_handler(self.handler_name, self._handle_stream)
+
+    def open(self, round_number: int) -> Inbox:
+        inbox = Inbox(round_number, secrets.token_hex(16), max_pipes=self.max_group)
+        self._inboxes[inbox.token] = inbox
+        if self.data_plane is not None:
+            self.data_plane.listen(inbox.token, lambda conn, hello: self._on_tcp(inbox, conn, hello))
+        return inbox
+
+    def endpoint(self, inbox: Inbox) -> Endpoint:
+        return Endpoint(tuple(self.data_plane.addrs) if self.data_plane is not None else (), inbox.token)
+
+    def close(self, inbox: Inbox) -> None:
+        self._inboxes.pop(inbox.token, None)
+        if self.data_plane is not None:
+            self.data_plane.forget(inbox.token)
+        inbox.close()
+
+    def _on_tcp(self, inbox: Inbox, conn: DataConn, hello: pb.DataHello) -> None:
+        if hello.round != inbox.round or not hello.sender:
+            conn.close()
+            return
+        inbox.offer(Pipe(hello.sender, conn=conn))
+
+    async def _handle_stream(self, caller: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            hello, _ = await read_frame(reader, pb.ShardHello, max_payload=0, timeout=self.control_timeout)
+        except WireError:
+            close_writer(writer)
+            return
+        inbox = self._inboxes.get(hello.token)
+        if inbox is None or hello.round != inbox.round:
+            close_writer(writer)
+            return
+        pipe = Pipe(caller, reader=reader, writer=writer)
+        if inbox.offer(pipe):
+            await pipe.finished  # the stream lives as long as the pipe: returning would close it
+
+    async def dial(self, peer: str, endpoint: Endpoint, round_number: int, *, timeout: float,
+                   use_tcp: bool) -> Pipe:
+        """A pipe to a later member: its TCP data plane when reachable, else a libp2p stream. Raises WireError."""
+        if use_tcp and endpoint.addrs:
+            conn = await connect(list(endpoint.addrs), endpoint.token, timeout=min(3.0, timeout),
+                                 sender=self.transport.peer_id, round_number=round_number)
+            if conn is not None:
+                return Pipe(peer, conn=conn)
+        try:
+            reader, writer = await self.transport.open_stream(peer, self.handler_name, timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - whatever keeps us from a member means: no pipe to it
+            raise WireError(f"cannot reach {peer[-8:]}: {exc!r}") from exc
+        pipe = Pipe(peer, reader=reader, writer=writer)
+        try:
+            await pipe.send(pb.ShardHello(token=endpoint.token, round=round_number), timeout=timeout)
+        except WireError:
+            pipe.close()
+            raise
+        return pipe
+
+
+@dataclass
+class Reduced:
+    """One member's view of a finished sharded reduce."""
+
+    average: torch.Tensor
+    sent: int = 0
+    received: int = 0
+    direct: int = 0  # pipes that ran on TCP
+    send_s: float = 0.0  # from the first part sent to the last: what the member's uplink took
+    pipes: dict[str, Pipe] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ShardTimeouts:
+    connect: float  # every pipe of the round open
+    transfer: float  # one part or one reduced shard on the wire
+
+
+async def reduce_shards(plan: Plan, delta: torch.Tensor, *, me: str, codec: Codec, router: ShardRouter,
+                        inbox: Inbox, timeouts: ShardTimeouts, use_tcp: bool,
+                        after_parts: Callable[[], None] = lambda: None) -> Reduced:
+    """Run this member's side of the plan: send its parts, reduce its shard, gather everyone's. Raises
+    RoundAborted when any shard is lost (nothing was applied: the caller just discards the round)."""
+    k = plan.members.index(me)
+    others = [p for p in plan.members if p != me]
+    inbox.expect(set(plan.members[:k]))
+    out = Reduced(average=torch.empty(plan.numel, dtype=torch.float32))
+    try:
+        out.pipes = await _open_pipes(plan, k, router=router, inbox=inbox, timeouts=timeouts, use_tcp=use_tcp)
+        out.direct = sum(p.direct for p in out.pipes.values())
+        own = delta.reshape(-1).to(torch.float32)
+        reduced = await _reduce_own_shard(plan, k, own, out, codec=codec, timeout=timeouts.transfer,
+                                          after_parts=after_parts)
+        await _exchange_results(plan, k, reduced, out, codec=codec, timeout=timeouts.transfer)
+    except BaseException:
+        for pipe in out.pipes.values():
+            pipe.close()
+        raise
+    finishing = [asyncio.ensure_future(out.pipes[p].finish(plan.round)) for p in others]
+    _background.update(finishing)
+    for task in finishing:
+        task.add_done_callback(_background.discard)
+    return out
+
+
+_background: set[asyncio.Future[None]] = set()  # pipes closing after their last frame was confirmed
+
+
+async def _open_pipes(plan: Plan, k: int, *, router: ShardRouter, inbox: Inbox, timeouts: ShardTimeouts,
+                      use_tcp: bool) -> dict[str, Pipe]:
+    async def one(i: int) -> tuple[str, Pipe]:
+        peer = plan.members[i]
+        if i > k:
+            return peer, await router.dial(peer, plan.endpoints[i], plan.round, timeout=timeouts.connect,
+                                           use_tcp=use_tcp)
+        return peer, await inbox.pipe(peer, timeout=timeouts.connect)
+
+    pipes: dict[str, Pipe] = {}
+    results = await asyncio.gather(*(one(i) for i in range(len(plan.members)) if i != k), return_exceptions=True)
+    failed = []
+    for i, r in zip((i for i in range(len(plan.members)) if i != k), results, strict=True):
+        if isinstance(r, BaseException):
+            failed.append(f"{plan.members[i][-8:]} ({type(r).__name__})")
+        else:
+            pipes[r[0]] = r[1]
+    if failed:
+        for pipe in pipes.values():
+            pipe.close()
+        raise RoundAborted(f"no shard connection to {', '.join(failed)}")
+    return pipes
+
+
+async def _reduce_own_shard(plan: Plan, k: int, own: torch.Tensor, out: Reduced, *, codec: Codec,
+                            timeout: float, after_parts: Callable[[], None]) -> torch.Tensor:
+    """Send every other reducer its part of our Δ while reducing our own shard from everyone's parts."""
+    loop = asyncio.get_running_loop()
+    mine = plan.shard(k)
+    acc = own[mine].mul(plan.share(k))
+    cap = codec.encoded_size(mine.stop - mine.start)
+    lock = asyncio.Lock()  # one decode-accumulate into `acc` at a time
+    n = len(plan.members)
+    order = [(k + s) % n for s in range(1, n)]  # everyone starts with a different reducer
+    started = time.monotonic()
+
+    async def send_parts() -> None:
+        for j in order:
+            payload = await loop.run_in_executor(None, codec.encode, own[plan.shard(j)])
+            n = await out.pipes[plan.members[j]].send(pb.ShardPart(round=plan.round, shard=j), payload,
+                                                      timeout=timeout)
+            out.sent += n  # (never `+= await`: that reads the total before the await and loses concurrent adds)
+        out.send_s = time.monotonic() - started
+        after_parts()
+
+    async def receive_part(i: int) -> str:
+        peer = plan.members[i]
+        try:
+            header, body = await out.pipes[peer].recv(pb.ShardPart, max_payload=cap, timeout=timeout)
+            if header.round != plan.round or header.shard != k:
+                return f"{peer[-8:]} sent a part of round {header.round}, shard {header.shard}"
+            out.received += frame_bytes(header, len(body))
+            async with lock:
+                await loop.run_in_executor(None, codec.decode_accumulate, body, mine.stop - mine.start, acc,
+                                           plan.share(i))
+            return ""
+        except WireError as exc:
+            return f"no part from {peer[-8:]}: {exc}"
+        except CodecError as exc:
+            return f"malformed part from {peer[-8:]}: {exc}"
+
+    sending = asyncio.ensure_future(send_parts())
+    problems = [p for p in await asyncio.gather(*(receive_part(i) for i in order)) if p]
+    if problems:
+        # Our shard has no result, so the round is lost for everyone: the caller closes every pipe, which ends
+        # the other members' waits for our parts and our result at once instead of at their deadlines.
+        sending.add_done_callback(lambda task: task.cancelled() or task.exception())
+        sending.cancel()
+        raise RoundAborted(f"shard {k} (ours) lost: {'; '.join(problems)[:500]}")
+    try:
+        await sending
+    except WireError as exc:
+        raise RoundAborted(f"could not send our parts: {exc}") from exc
+    return acc
+
+
+async def _send_result(plan: Plan, k: int, out: Reduced, payload: bytes | bytearray | memoryview,
+                       timeout: float) -> None:
+    """Our reduced shard to every other member. A member we cannot reach misses one shard and applies nothing;
+    that is its loss to report, not ours."""
+    header = pb.ShardResult(round=plan.round, shard=k, ok=True)
+
+    async def one(peer: str) -> None:
+        try:
+            n = await out.pipes[peer].send(header, payload, timeout=timeout)
+            out.sent += n
+        except WireError as exc:
+            logger.info("could not send shard %d to %s: %s", k, peer[-8:], exc)
+
+    await asyncio.gather(*(one(p) for p in plan.members if p != plan.members[k]))
+
+
+async def _exchange_results(plan: Plan, k: int, reduced: torch.Tensor, out: Reduced, *, codec: Codec,
+                            timeout: float) -> None:
+    """Send our reduced shard to everyone and place everyone's in the average."""
+    loop = asyncio.get_running_loop()
+    mine = plan.shard(k)
+    payload = await loop.run_in_executor(None, codec.encode, reduced)
+    # Everyone applies what they decode: the reducer too, so that every member holds the same bytes.
+    out.average[mine] = reduced if codec.lossless else await loop.run_in_executor(
+        None, codec.decode, bytearray(payload), mine.stop - mine.start)
+
+    async def receive_result(i: int) -> str:
+        peer, theirs = plan.members[i], plan.shard(i)
+        size = theirs.stop - theirs.start
+        try:
+            header, body = await out.pipes[peer].recv(pb.ShardResult, max_payload=codec.encoded_size(size),
+                                                      timeout=timeout)
+            if header.round != plan.round or header.shard != i:
+                return f"{peer[-8:]} sent the result of round {header.round}, shard {header.shard}"
+            if not header.ok:
+                return f"{peer[-8:]} has no result for shard {i}: {header.reason[:200]}"
+            out.received += frame_bytes(header, len(body))
+            out.average[theirs] = await loop.run_in_executor(None, codec.decode, body, size)
+            return ""
+        except WireError as exc:
+            return f"no result from {peer[-8:]}: {exc}"
+        except CodecError as exc:
+            return f"malformed result from {peer[-8:]}: {exc}"
+
+    _, problems = await asyncio.gather(
+        _send_result(plan, k, out, payload, timeout),
+        asyncio.gather(*(receive_result(i) for i in range(len(plan.members)) if i != k)),
+    )
+    lost = [p for p in problems if p]
+    if lost:
+        raise RoundAborted(f"shard lost: {'; '.join(lost)[:500]}")
