@@ -94,9 +94,11 @@ def plan_problem(plan: Plan, *, round_number: int, codec: str, numel: int, me: s
     b = plan.bounds
     if b[0] != 0 or b[-1] != numel or any(b[i] > b[i + 1] for i in range(n)):
         return "plan's shards do not cut the vector into consecutive pieces"
-    # The largest share bandwidth_shares can give is BANDWIDTH_CLAMP² × the smallest; allow one block of rounding.
+    # The largest share bandwidth_shares can give: one member at BANDWIDTH_CLAMP × the median, the others at
+    # 1/BANDWIDTH_CLAMP of it. Allow one block of rounding on top.
     sizes = [b[i + 1] - b[i] for i in range(n)]
-    if n > 1 and max(sizes) > BANDWIDTH_CLAMP**2 * (numel / n) + SHARD_ALIGN:
+    c2 = BANDWIDTH_CLAMP**2
+    if n > 1 and max(sizes) > numel * c2 / (c2 + n - 1) + SHARD_ALIGN:
         return f"plan gives one reducer {max(sizes)} of {numel} elements"
     return ""
 
