@@ -300,10 +300,14 @@ class SwarmSync:
             delta=flatten(r.pseudo_gradient(), r.names), tokens=r.round_tokens, staleness=self.staleness
         )
         before: list[Any] = []
+        marks = [time.monotonic()]  # run_round's start, then the average's arrival and the outer step's end
 
         def apply(average: torch.Tensor) -> str:
+            marks.append(time.monotonic())
             before.append(r.snapshot())  # undone unless the round is certified
-            return self._apply(average)
+            new_hash = self._apply(average)
+            marks.append(time.monotonic())
+            return new_hash
 
         result: RoundResult = self.averager.run_round(group, contribution, apply=apply,
                                                       rollback=lambda: r.restore(before[-1]))

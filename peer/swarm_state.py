@@ -8,7 +8,7 @@ import json
 import torch
 
 from peer.replica import Replica
-from protocol.hashing import blob_hash, pack_state, state_hash, unpack_state
+from protocol.hashing import StateLayout, blob_hash, pack_state, state_hash, state_layout, unpack_state
 from protocol.records import fingerprint
 from protocol.rounds import LocalModel
 
@@ -29,7 +29,7 @@ def genesis_hash(replica: Replica) -> str:
     for _ in range(2):
         model = replica.task.model_factory()
         params = {n: p.detach().to("cpu", torch.float32) for n, p in model.named_parameters()}
-        hashes.add(state_hash(params, {n: torch.zeros_like(t) for n, t in params.items()}))
+        hashes.add(state_hash(params, {n: torch.zeros_like(t) for n, t in params.items()}, replica.names))
     if len(hashes) != 1:
         raise ValueError("the task's model_factory builds a different model each time; seed it (torch.manual_seed) "
                          "so every peer starts from the same θ_0")
@@ -69,6 +69,11 @@ def parse_blob(blob: bytes | bytearray, replica: Replica) -> tuple[dict[str, tor
 
 def verify_blob(blob: bytes | bytearray, replica: Replica) -> str:
     return blob_hash(blob, _shapes(replica), replica.names)
+
+
+def layout_of(replica: Replica) -> StateLayout:
+    """What a certified state hash of this model commits to besides its chunks (checked before any download)."""
+    return state_layout(_shapes(replica), replica.names)
 
 
 @torch.no_grad()

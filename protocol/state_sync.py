@@ -1,24 +1,39 @@
-"""State download: donors serve the flattened global state; a joiner fetches it (from several donors in parallel
-when it can), verifies it against the hash the swarm agreed on, and falls back donor by donor when a part is bad.
+"""State download: donors serve the flattened global state in verified chunks; a joiner fetches it from several
+donors in parallel and adopts nothing that does not hash, chunk by chunk, to the state hash the swarm certified.
 
-The served blob is θ then m, fp32, in the model's canonical parameter order (`protocol.hashing.pack_state`); the
-protocol only moves bytes and calls the caller's `verify(blob) -> hash` before accepting anything.
+The served blob is θ then m, fp32, in the model's parameter order (`protocol.hashing.pack_state`), and the state
+hash is the root of a digest tree over its chunks. This module is the libp2p side: the admitted request, the
+certificate, the donor's session bounds and the manifest (leaf digests, TCP data-plane offer);
+`protocol.state_transfer` moves and checks the chunks.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from protocol import swarmloco_wire_pb2 as pb
 from protocol.admission import Credentials, Gate
 from protocol.certificates import Certificate
+from protocol.data_plane import DataConn, DataPlane
+from protocol.hashing import LEAF_BYTES, StateLayout, known_leaves, leaf_digests
 from protocol.hooks import Hooks
-from protocol.records import PROTOCOL_VERSION
+from protocol.state_transfer import (
+    Channel,
+    FetchConfig,
+    ServeLimits,
+    StateSyncError,
+    StreamChannel,
+    Transfer,
+    serve_chunks,
+    state_handler,
+)
 from protocol.transport import Transport
 from protocol.wire import WireError, close_writer, read_frame, write_frame
 
+__all__ = ["FetchConfig", "ServeLimits", "ServedState", "StateServer", "StateSyncError", "download_state",
+           "fetch_certificate", "state_handler"]
 logger = logging.getLogger(__name__)
 
 
@@ -28,30 +43,39 @@ class ServedState:
     state_hash: str
     blob: bytes
     certificate: bytes = b""  # the commit certificate of this state (empty for θ_0)
+    leaves: tuple[bytes, ...] = ()  # the blob's leaf digests when the publisher has them (else found or computed)
 
 
-class StateSyncError(RuntimeError):
-    pass
+@dataclass
+class ServeStats:
+    """What the donor handed out, for its logs and for tests of its bounds."""
+
+    sessions: int = 0
+    peak_sessions: int = 0
+    busy: int = 0
+    chunks: int = 0
+    via_data_plane: int = 0
 
 
 class StateServer:
-    """Serves this peer's current global state and its certificate to admitted peers, at most `max_concurrent`
-    downloads at a time."""
+    """Serves this peer's current global state and its certificate to admitted peers, in bounded chunk sessions."""
 
     def __init__(self, node: Transport, fingerprint: str, *, gate: Gate, credentials: Credentials,
-                 max_concurrent: int = 4, timeout_s: float = 120.0, control_timeout_s: float = 10.0,
+                 max_concurrent: int | None = None, limits: ServeLimits | None = None,
+                 data_plane: DataPlane | None = None, control_timeout_s: float = 10.0,
                  hooks: Hooks | None = None) -> None:
-        self.gate, self.credentials = gate, credentials
-        self.node, self.fingerprint, self.timeout_s, self.control_timeout_s = (
-            node,
-            fingerprint,
-            timeout_s,
-            control_timeout_s,
-        )
+        self.gate, self.credentials, self.data_plane = gate, credentials, data_plane
+        self.node, self.fingerprint, self.control_timeout_s = node, fingerprint, control_timeout_s
+        limits = limits or ServeLimits()
+        if max_concurrent is not None:
+            limits = ServeLimits(**{**limits.__dict__, "sessions": max_concurrent})
+        self.limits = limits
         self.handler_name = state_handler(node.run_id)
         self.state: ServedState | None = None
-        self._slots = asyncio.Semaphore(max_concurrent)
         self.hooks = hooks or Hooks()
+        self.stats = ServeStats()
+        self._open: dict[str, int] = {}  # requester -> sessions it holds now
+        self._leaves: tuple[ServedState, asyncio.Future[tuple[bytes, ...]]] | None = None
 
     async def register(self) -> None:
         await self.node.add_handler(self.handler_name, self._handle)
@@ -71,38 +95,102 @@ class StateServer:
                 refusal = f"not admitted: {problem}"
             elif state is None:
                 refusal = "no state yet"
+            elif not (req.certificate_only or req.manifest):
+                refusal = "this donor serves verified chunk sessions only (ask for a manifest)"
             if refusal:
                 await write_frame(writer, pb.StateHeader(ok=False, message=refusal), timeout=control)
                 return
+            assert state is not None
             if req.certificate_only:
                 header = pb.StateHeader(ok=True, round=state.round, state_hash=state.state_hash,
                                         total_bytes=len(state.blob), certificate=state.certificate,
                                         ticket=self.credentials.ticket)
                 await write_frame(writer, header, timeout=control)
                 return
-            if self._slots.locked():
-                await write_frame(writer, pb.StateHeader(ok=False, message="busy: too many downloads"), timeout=control)
-                return
-            async with self._slots:
-                total = len(state.blob)
-                start = min(req.offset, total)
-                end = total if req.length == 0 else min(total, start + req.length)
-                blob = self.hooks.served_state(state.blob)
-                header = pb.StateHeader(
-                    ok=True, round=state.round, state_hash=state.state_hash, total_bytes=total, offset=start
-                )
-                await write_frame(writer, header, memoryview(blob)[start:end], timeout=self.timeout_s)
-                await asyncio.wait_for(
-                    reader.read(1), self.timeout_s
-                )  # wait for the client to close: all bytes arrived
+            await self._session(caller, state, reader, writer)
         except (TimeoutError, WireError, ConnectionError) as exc:
             logger.debug("state download by a peer ended: %r", exc)
         finally:
             close_writer(writer)
 
+    async def _session(self, caller: str, state: ServedState, reader: asyncio.StreamReader,
+                       writer: asyncio.StreamWriter) -> None:
+        control, stats = self.control_timeout_s, self.stats
+        held = self._open.get(caller, 0)
+        if sum(self._open.values()) >= self.limits.sessions or held >= self.limits.per_requester:
+            stats.busy += 1
+            await write_frame(writer, pb.StateHeader(ok=False, busy=True, message="busy: too many downloads"),
+                              timeout=control)
+            return
+        self._open[caller] = held + 1  # taken before the first await: the check and the claim are one step
+        stats.sessions += 1
+        stats.peak_sessions = max(stats.peak_sessions, sum(self._open.values()))
+        token, conn = "", None
+        channel: Channel | None = None
+        try:
+            leaves = await self._leaf_list(state)
+            addrs: list[str] = []
+            if self.data_plane is not None and (addrs := self._data_addrs()):
+                token, conn = self.data_plane.expect()
+            header = pb.StateHeader(ok=True, round=state.round, state_hash=state.state_hash,
+                                    total_bytes=len(state.blob), leaf_bytes=LEAF_BYTES, data_addrs=addrs,
+                                    data_token=token)
+            await write_frame(writer, header, b"".join(leaves), timeout=control)
+            channel, first = await self._channel(reader, writer, conn)
+            blob = memoryview(self.hooks.served_state(state.blob)).cast("B")
+            sent = await serve_chunks(channel, blob, first, limits=self.limits, on_chunk=self._on_chunk)
+            stats.chunks += sent
+        finally:
+            if token and self.data_plane is not None:
+                self.data_plane.forget(token)
+            if channel is not None:
+                channel.close()
+            if conn is not None and conn.done() and not conn.cancelled() and conn.exception() is None:
+                conn.result().close()
+            self._open[caller] -= 1
+            if not self._open[caller]:
+                del self._open[caller]
 
-def state_handler(run_id: str) -> str:
-    return f"swarmloco/{run_id}/state/v{PROTOCOL_VERSION}"
+    async def _channel(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                       conn: asyncio.Future[DataConn] | None) -> tuple[Channel, pb.StateChunkRequest | None]:
+        """The joiner's TCP connection if it makes one, else its first chunk request on the libp2p stream."""
+        stream = StreamChannel(reader, writer)
+        first = asyncio.ensure_future(stream.recv_frame(pb.StateChunkRequest, max_payload=0,
+                                                        timeout=self.limits.idle_timeout_s))
+        waits: set[asyncio.Future[object]] = {first, *([conn] if conn is not None else [])}  # type: ignore[list-item]
+        try:
+            done, _ = await asyncio.wait(waits, timeout=self.limits.idle_timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            first.cancel()
+            raise
+        if conn is not None and conn in done and not conn.cancelled():
+            first.cancel()
+            self.stats.via_data_plane += 1
+            return conn.result(), None
+        if first in done:
+            request, _ = first.result()  # WireError when the joiner hung up or broke the frame
+            return stream, request
+        first.cancel()
+        raise WireError("the joiner neither connected nor asked for a chunk")
+
+    def _data_addrs(self) -> list[str]:
+        return self.data_plane.addrs if self.data_plane is not None else []
+
+    async def _on_chunk(self, index: int, view: memoryview) -> memoryview:
+        """Called before each chunk is sent; tests slow a donor down or make it vanish here."""
+        return view
+
+    async def _leaf_list(self, state: ServedState) -> tuple[bytes, ...]:
+        """The leaves of the served state: as published, remembered from hashing it, or computed once off-loop."""
+        if state.leaves:
+            return state.leaves
+        if (known := known_leaves(state.state_hash)) is not None:
+            return known
+        if self._leaves is None or self._leaves[0] is not state:
+            future = asyncio.get_running_loop().run_in_executor(None, lambda: tuple(leaf_digests([state.blob])))
+            self._leaves = (state, future)
+        return await asyncio.shield(self._leaves[1])
 
 
 async def fetch_certificate(node: Transport, donor: str, *, fingerprint: str, ticket: bytes,
@@ -125,92 +213,26 @@ async def fetch_certificate(node: Transport, donor: str, *, fingerprint: str, ti
         raise StateSyncError(f"malformed certificate: {exc}") from None
 
 
-async def _fetch(
-    node: Transport,
-    name: str,
-    donor: str,
-    fingerprint: str,
-    offset: int,
-    length: int,
-    *,
-    expect_round: int,
-    expect_hash: str,
-    total: int,
-    timeout: float,
-    control: float,
-    ticket: bytes,
-) -> bytearray:
-    reader, writer = await node.open_stream(donor, name, timeout=control)
-    try:
-        await write_frame(
-            writer,
-            pb.StateRequest(run_id=node.run_id, fingerprint=fingerprint, offset=offset, length=length, ticket=ticket),
-            timeout=control,
-        )
-        header, body = await read_frame(reader, pb.StateHeader, max_payload=total, timeout=timeout)
-    finally:
-        close_writer(writer)
-    if not header.ok:
-        raise StateSyncError(f"donor refused: {header.message}")
-    if header.round != expect_round or header.state_hash != expect_hash:
-        raise StateSyncError(f"donor now serves round {header.round}, wanted {expect_round}")
-    if header.total_bytes != total or header.offset != offset or len(body) != (length or total - offset):
-        raise StateSyncError("donor's byte range does not match the request")
-    return body
-
-
 async def download_state(
     node: Transport,
     *,
-    donors: list[str],
+    donors: Sequence[str],
     round_number: int,
     state_hash: str,
-    total_bytes: int,
+    layout: StateLayout,
     fingerprint: str,
-    verify: Callable[[bytes], str],
-    max_parallel: int = 4,
-    timeout: float = 300.0,
-    control_timeout: float = 15.0,
     ticket: bytes = b"",
+    config: FetchConfig | None = None,
+    timeout: float = 300.0,
 ) -> tuple[bytearray, list[str]]:
-    """Fetch and verify the state; returns (blob, failures: donors that failed or lied, plus "parallel-assembly" when
-    the parallel download did not verify). Raises StateSyncError."""
-    name = state_handler(node.run_id)
-    bad: list[str] = []
-    loop = asyncio.get_running_loop()
-    kw = dict(
-        expect_round=round_number, expect_hash=state_hash, total=total_bytes, timeout=timeout, control=control_timeout,
-        ticket=ticket,
-    )
-    parallel = donors[:max_parallel]
-    if len(parallel) > 1:
-        bounds = [total_bytes * i // len(parallel) for i in range(len(parallel) + 1)]
-        parts = await asyncio.gather(
-            *(
-                _fetch(node, name, d, fingerprint, bounds[i], bounds[i + 1] - bounds[i], **kw)
-                for i, d in enumerate(parallel)
-            ),
-            return_exceptions=True,
-        )
-        if all(isinstance(p, bytearray) for p in parts):
-            blob = bytearray().join(parts)  # type: ignore[arg-type]
-            if await loop.run_in_executor(None, verify, bytes(blob)) == state_hash:
-                return blob, bad
-            logger.warning("state assembled from %d donors failed verification; retrying donor by donor", len(parallel))
-            bad.append("parallel-assembly")
-    for donor in donors:
-        try:
-            blob = await _fetch(node, name, donor, fingerprint, 0, 0, **kw)
-        except (TimeoutError, StateSyncError, WireError, OSError) as exc:
-            logger.info("donor %s failed: %s", donor[-8:], exc)
-            bad.append(donor)
-            continue
-        except Exception as exc:  # noqa: BLE001 - e.g. p2pd cannot reach the donor
-            logger.info("donor %s unreachable: %r", donor[-8:], exc)
-            bad.append(donor)
-            continue
-        if await loop.run_in_executor(None, verify, bytes(blob)) == state_hash:
-            return blob, bad
-        logger.warning("donor %s served state that does not match hash %s…; rejected", donor[-8:], state_hash[:12])
-        bad.append(donor)
-    raise StateSyncError(f"no donor served verified state for round {round_number} ({len(donors)} tried)")
+    """Fetch the state from up to `config.max_donors` donors at once, every chunk verified against the leaves the
+    certified root commits to; returns (blob, failures: donors that failed or lied). Raises StateSyncError, also
+    when `timeout` passes."""
+    transfer = Transfer(node, layout, round_number=round_number, state_hash=state_hash, fingerprint=fingerprint,
+                        ticket=ticket, cfg=config or FetchConfig())
+    try:
+        blob = await asyncio.wait_for(transfer.run(donors), timeout)
+    except TimeoutError:
+        raise StateSyncError(f"state download of round {round_number} timed out after {timeout:.0f}s "
+                             f"(failures: {[d[-8:] for d in transfer.bad]})") from None
+    return blob, transfer.bad
