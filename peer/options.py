@@ -103,6 +103,8 @@ OPTIONS: tuple[Option, ...] = (
            "send round tensors over direct TCP when reachable (--no-data-plane: libp2p only)"),
     Option("--use-auto-relay", "network", "use_auto_relay",
            "look for relays automatically when behind NAT (hivemind use_auto_relay)"),
+    Option("--dht-process", "network", "dht_process",
+           "run the DHT node in hivemind's forked process (default: on this peer's own loop, half the memory)"),
     # [bootstrap]: finding the first peer through a coordinator's ready file (the compose setup)
     Option("--bootstrap-file", "bootstrap", "file",
            "wait for this coordinator ready file (swarmloco coordinator --ready-file) and dial its DHT node; "

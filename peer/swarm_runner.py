@@ -327,6 +327,7 @@ class SwarmSync:
             state_hash=cert.statement.new_hash,
             average_s=round_float(result.seconds),
             certify_s=round_float(result.certify_s),  # of average_s: votes and the certificate
+            exchange_s=round_float(marks[1] - marks[0]) if len(marks) == 3 else None,  # until the average is here
             pipes=result.pipes,  # shard connections to the other contributors
             direct=result.direct,  # of those, on the TCP data plane
             bytes_sent=result.bytes_sent,

@@ -1,5 +1,6 @@
-"""The real transport: hivemind's DHT (in its own process, with the p2pd daemon), a P2P replica, and an asyncio loop
-on a background thread that serves our stream protocols while the training thread keeps the accelerator busy.
+"""The real transport: hivemind's DHT (on our own loop by default, or in hivemind's forked process), its p2pd
+daemon, a P2P replica, and an asyncio loop on a background thread that serves our stream protocols while the training
+thread keeps the accelerator busy.
 
 The training thread talks to the loop only through `submit` / `call` (thread-safe futures with timeouts) and
 `update_record`; see `protocol.transport.Transport` for the interface the round code relies on.
@@ -22,6 +23,7 @@ from hivemind.utils import get_dht_time
 
 from protocol.admission import Credentials, Gate, Ticket
 from protocol.data_plane import hosts_from_maddrs
+from protocol.dht_host import LocalDHT
 from protocol.records import PeerRecord, peers_key, revocations_key
 from protocol.signed_records import MAX_RECORD_TTL_S, RecordError, RunValidator, open_record, seal
 from protocol.transport import Stream, StreamHandler, run_on
@@ -45,6 +47,9 @@ class NetworkConfig:
     data_plane: bool = True  # move round tensors over direct TCP when the leader is reachable (libp2p otherwise)
     record_ttl_s: float = 20.0
     heartbeat_s: float = 2.0
+    # hivemind's forked DHT process copies the whole peer (torch, model) copy-on-write and dirties it: on a tiny
+    # model it doubles the peer's memory. In-process, DHT requests share our GIL instead; they are few and small.
+    dht_process: bool = False
 
     def __post_init__(self) -> None:
         if not self.run_id or len(self.run_id) > 64 or not all(c.isalnum() or c in "-_." for c in self.run_id):
@@ -72,7 +77,7 @@ class SwarmNode:
         self.net, self.credentials, self.gate = net, credentials, gate
         self.store_failures = 0  # record stores the DHT refused or that failed, in a row
         self._verified: dict[tuple[str, str], tuple[PeerRecord, float]] = {}  # (peer, signature) -> checked record
-        self.dht: hivemind.DHT | None = None
+        self.dht: hivemind.DHT | LocalDHT | None = None
         self.p2p: P2P | None = None
         self.loop = uvloop.new_event_loop()  # roughly twice asyncio's stream throughput for the bulk tensors
         self._thread = threading.Thread(target=self._run_loop, name="swarm-loop", daemon=True)
@@ -96,10 +101,15 @@ class SwarmNode:
         if self.net.identity:
             # The identity file is ours (Ed25519, libp2p format); hivemind's own "is it taken" probe only reads RSA.
             kwargs.update(identity_path=self.net.identity, check_if_identity_free=False)
-        self.dht = hivemind.DHT(**kwargs)
+        if self.net.dht_process:
+            self.dht = hivemind.DHT(**kwargs)  # forked before our loop thread exists
+            self._thread.start()
+        else:
+            self._thread.start()
+            del kwargs["start"]
+            self.dht = self.call(LocalDHT.create(**kwargs), timeout=timeout)
         if self.dht.peer_id.to_base58() != self.credentials.peer_id:
             raise RuntimeError("the DHT runs under another identity than the one this peer signs with")
-        self._thread.start()
         self.p2p = self.call(self.dht.replicate_p2p(), timeout=timeout)
         self._heartbeat = self.call(self._start_heartbeat(), timeout=timeout)
 
@@ -119,7 +129,7 @@ class SwarmNode:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout)
         if self.dht is not None:
-            self.dht.shutdown()  # stops the DHT process and its p2pd daemon
+            self.dht.shutdown()  # stops the DHT (process, or node if the loop did not) and its p2pd daemon
             self.dht = None
 
     async def _async_shutdown(self) -> None:
@@ -132,6 +142,8 @@ class SwarmNode:
                 except Exception as exc:  # noqa: BLE001 - best effort while shutting down
                     logger.debug("removing handler %s: %r", name, exc)
             await self.p2p.shutdown()
+        if isinstance(self.dht, LocalDHT):
+            await self.dht.aclose()  # before the tasks below are cancelled: the node's own tasks are among them
         pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for task in pending:
             task.cancel()

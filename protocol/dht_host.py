@@ -1,0 +1,83 @@
+"""hivemind's DHT node on this peer's own event loop, instead of in a forked process.
+
+`hivemind.DHT` forks a child that inherits the whole peer (torch, the model, the optimizer) and then dirties those
+pages copy-on-write: on a tiny model that child costs about as much memory as the peer itself. `LocalDHT` runs the
+same `DHTNode` (same protocol, same record validators, same p2pd daemon) as a task of the swarm loop and offers the
+subset of `hivemind.DHT`'s interface that `SwarmNode` and the tests use, so either can sit behind `SwarmNode.dht`.
+The price is that DHT requests share the peer's GIL; they are small and rare (one record per heartbeat).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from hivemind.dht.node import DHTNode
+from hivemind.dht.validation import CompositeValidator, RecordValidatorBase
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+logger = logging.getLogger(__name__)
+
+
+class LocalDHT:
+    """A `DHTNode` owned by one event loop; `store`/`get` may be called from any other thread."""
+
+    def __init__(self, node: DHTNode, loop: asyncio.AbstractEventLoop, maddrs: list[Multiaddr]) -> None:
+        self.node, self.loop, self._maddrs = node, loop, maddrs
+        self._replica: P2P | None = None
+        self._closed = False
+
+    @classmethod
+    async def create(cls, *, record_validators: Iterable[RecordValidatorBase] = (), **kwargs: Any) -> LocalDHT:
+        """Start the node (and its p2pd daemon) on the running loop; kwargs as for `hivemind.DHT`."""
+        node = await DHTNode.create(record_validator=CompositeValidator(record_validators), **kwargs)
+        # Addresses are read once: the sync accessor below is also called on the loop thread, which must not wait
+        # on itself, and hivemind's own DHT answers the same cached list unless asked for the latest.
+        return cls(node, asyncio.get_running_loop(), await node.get_visible_maddrs())
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self.node.peer_id
+
+    def get_visible_maddrs(self, latest: bool = False) -> list[Multiaddr]:
+        return list(self._maddrs)
+
+    def _run(self, coro: Any, return_future: bool) -> Any:
+        future: concurrent.futures.Future[Any] = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return future if return_future else future.result()
+
+    def store(self, key: Any, value: Any, expiration_time: float, subkey: Any = None, return_future: bool = False,
+              **kwargs: Any) -> Any:
+        """As `hivemind.DHT.store`; never call it with return_future=False on the loop thread (it would wait on
+        itself)."""
+        return self._run(self.node.store(key, value, expiration_time, subkey=subkey, **kwargs), return_future)
+
+    def get(self, key: Any, latest: bool = False, return_future: bool = False, **kwargs: Any) -> Any:
+        return self._run(self.node.get(key, latest=latest, **kwargs), return_future)
+
+    async def replicate_p2p(self) -> P2P:
+        """A second client of the node's p2pd daemon for our stream handlers, as `hivemind.DHT` hands out: closing
+        it never closes the daemon the DHT still uses."""
+        if self._replica is None:
+            self._replica = await P2P.replicate(self.node.p2p.daemon_listen_maddr)
+        return self._replica
+
+    async def aclose(self) -> None:
+        """Stop the node and its p2pd daemon; on the loop."""
+        if self._closed:
+            return
+        self._closed = True
+        await self.node.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop the node from another thread if the loop still runs; a dead loop already took the node with it
+        (the p2pd daemon is then stopped with its session)."""
+        if self._closed or self.loop.is_closed() or not self.loop.is_running():
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self.aclose(), self.loop).result(timeout=15)
+        except (concurrent.futures.TimeoutError, RuntimeError) as exc:
+            logger.warning("the DHT node did not stop cleanly: %r", exc)
