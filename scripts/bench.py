@@ -7,6 +7,7 @@ Subcommands (each prints a markdown table of ratios measured side by side in one
   utilisation  compute vs wait share of heterogeneous peers shaped-link self-check
   join         late-joiner state fetch vs moving the same bytes over a plain loopback socket
   trust        certified rounds: certification vs exchange time per round, and the cost of each offline check
+  scale        round overhead (matchmaking, exchange, commit) and memory per peer for 2 .. 32 local peers
 The logic lives in scripts/bench_<name>.py; `--quick` shrinks every size for a CI smoke test.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "utilisation": ("scripts.bench_utilisation", "compute/wait share of heterogeneous peers; shaped-link check"),
     "join": ("scripts.bench_join", "late-joiner state fetch vs a plain loopback socket"),
     "trust": ("scripts.bench_trust", "certified rounds: certification vs exchange, and the offline checks"),
+    "scale": ("scripts.bench_scale", "round overhead and memory per peer vs the number of peers (2 .. 32)"),
 }
 
 

@@ -135,3 +135,13 @@ def test_trust_quick(tmp_path: Path) -> None:
     for entry in data["rounds"].values():
         assert positive(entry["round_s"]) and 0 < entry["certify_s"] < entry["round_s"]
     assert all(positive(us) for us in data["checks_us"].values())
+
+
+@pytest.mark.timeout(330)
+def test_scale_quick(tmp_path: Path) -> None:
+    out, data = run_bench(["scale", "--peers", "2"], tmp_path, 320)
+    assert "÷ log2" in out
+    (entry,) = data["results"]
+    assert entry["peers"] == 2 and not entry.get("note"), entry
+    assert entry["members"] == [2] and positive(entry["overhead_s"]), entry
+    assert positive(entry["memory"]["per_peer_pss_mb"]), entry["memory"]
