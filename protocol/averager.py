@@ -65,6 +65,7 @@ class RoundResult:
     state_hash: str = ""  # our θ_{r+1} hash (empty when nothing was applied)
     leader_hash: str = ""  # the leader's θ_{r+1} hash
     reason: str = ""  # why the round was discarded
+    blame: str = ""  # the peer whose failure discarded it, when one is to blame
     bytes_sent: int = 0
     bytes_received: int = 0
     direct: int = 0  # of this peer's shard connections, those on the TCP data plane
@@ -156,16 +157,18 @@ class Averager:
             if group.is_leader:
                 self.hooks.before_commit(group.round)
             applied = True
+            weight = dict(zip(plan.members, plan.weights, strict=True))
+            weights = tuple(weight[p] for p in reduced.members)
             statement = Statement(run_id=self.transport.run_id, round=plan.round + 1, prev_hash=plan.prev_hash,
-                                  new_hash=apply(reduced.average), members=plan.members, weights=plan.weights,
-                                  swarm=plan.swarm, work=plan.work)
+                                  new_hash=apply(reduced.average), members=reduced.members, weights=weights,
+                                  swarm=plan.swarm, work=prev.work + sum(weights))
             certify_started = time.monotonic()
             certificate, reason = self.transport.call(steps.certify(group, plan, statement),
                                                       timeout=d.transfer + 4 * d.control)
             outcome = Outcome.DISCARDED if certificate is None else (
                 Outcome.COMMITTED if certificate.statement == statement else Outcome.MISMATCH)
             result = RoundResult(
-                outcome, group.round, group.leader, role, list(plan.members), list(plan.weights), plan.excluded,
+                outcome, group.round, group.leader, role, list(reduced.members), list(weights), plan.excluded,
                 statement.new_hash, certificate.statement.new_hash if certificate is not None else "", reason=reason,
                 bytes_sent=reduced.sent, bytes_received=reduced.received, direct=reduced.direct,
                 pipes=len(reduced.pipes), certify_s=time.monotonic() - certify_started, certificate=certificate)
@@ -175,12 +178,14 @@ class Averager:
             reason = str(exc) or f"{type(exc).__name__} after {time.monotonic() - started:.1f}s"
             self.transport.submit(steps.abort(group, reason))
             result = RoundResult(Outcome.DISCARDED, group.round, group.leader, role, list(group.members),
-                                 reason=reason)
+                                 reason=reason, blame=exc.blame if isinstance(exc, RoundAborted) else "")
         finally:
             if applied and (result is None or result.outcome != Outcome.COMMITTED):
                 rollback()
-            if not group.is_leader and (result is None or result.outcome == Outcome.DISCARDED):
-                self._skip_leader(group.leader, result.reason if result is not None else "the round failed")
+            # A leader that vanished or misbehaved is skipped for a few rounds (the leader order only changes with
+            # the state, so it would lead every retry); one whose round another member lost is not to blame.
+            if not group.is_leader and result is not None and result.blame == group.leader:
+                self._skip_leader(group.leader, result.reason)
         if result.outcome == Outcome.COMMITTED and result.certificate is not None:
             self.set_state(Head.of(result.certificate))
         result.seconds = time.monotonic() - started

@@ -14,7 +14,12 @@ MAX_REFUSAL_CONFIG = 8192  # bytes of a refused peer's config we are willing to 
 
 
 class RoundAborted(RuntimeError):
-    """The round was discarded; nothing was applied. The message says why."""
+    """The round was discarded; nothing was applied. The message says why; `blame` names the peer whose failure
+    ended it, when one did (a member skips a leader it blames for the next rounds)."""
+
+    def __init__(self, message: str, *, blame: str = "") -> None:
+        super().__init__(message)
+        self.blame = blame
 
 
 @dataclass

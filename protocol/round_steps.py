@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from dataclasses import replace
 
@@ -57,10 +58,11 @@ class RoundSteps:
             if group.is_leader:
                 plan = await self._plan(group, tokens, staleness, prev, endpoint)
             else:
-                plan = await self._receive_plan(group, tokens, staleness, prev, endpoint)
+                plan = await self._receive_plan(group, tokens, staleness, prev, endpoint, delta.numel())
             reduced = await reduce_shards(plan, delta, me=group.me, codec=self.codec, router=self.router,
                                           inbox=inbox, timeouts=ShardTimeouts(connect=d.control, transfer=d.transfer),
-                                          use_tcp=self.use_tcp, after_parts=after_parts)
+                                          use_tcp=self.use_tcp, after_parts=after_parts,
+                                          settle=functools.partial(self._settle, group, plan))
         except BaseException:
             await self._release(group)
             raise
@@ -95,16 +97,17 @@ class RoundSteps:
         group.planned = True
         return plan
 
-    async def _receive_plan(self, group: Group, tokens: int, staleness: int, prev: Head, endpoint: Endpoint) -> Plan:
+    async def _receive_plan(self, group: Group, tokens: int, staleness: int, prev: Head, endpoint: Endpoint,
+                            numel: int) -> Plan:
         d = self.deadlines
         link = group.links[group.leader]
-        claim = pb.Contribution(tokens=tokens, codec=self.codec.name, numel=self.model.numel, staleness=staleness,
+        claim = pb.Contribution(tokens=tokens, codec=self.codec.name, numel=numel, staleness=staleness,
                                 data_addrs=endpoint.addrs, data_token=endpoint.token, bandwidth=self.bandwidth)
         try:
             await link.send(claim, timeout=d.control)
             msg, _ = await link.recv(pb.Plan, max_payload=0, timeout=2 * d.control)
         except WireError as exc:
-            raise RoundAborted(f"lost the leader before the plan: {exc}") from exc
+            raise RoundAborted(f"lost the leader before the plan: {exc}", blame=group.leader) from exc
         if not msg.ok:
             raise RoundAborted(f"leader aborted the round: {msg.reason[:300]}")
         plan = Plan.from_pb(msg)
@@ -119,13 +122,74 @@ class RoundSteps:
                 provisional, prev, round_number=group.round, swarm=group.swarm, group_members=group.members, me=me,
                 my_tokens=tokens, cap=self.cfg.weight_cap_factor)
         if problem:
-            raise RoundAborted(f"leader's plan is not one we can take part in: {problem}")
+            raise RoundAborted(f"leader's plan is not one we can take part in: {problem}", blame=group.leader)
         return plan
+
+    # --- settle: whose contributions count ------------------------------------------------------------------------
+    async def _settle(self, group: Group, plan: Plan, have: list[str], problems: dict[str, str]) -> tuple[str, ...]:
+        if group.is_leader:
+            return await self._settle_as_leader(group, plan, have, problems)
+        d = self.deadlines
+        link = group.links[group.leader]
+        for peer, why in problems.items():
+            logger.info("round %d: part from %s refused: %s", group.round, peer[-8:], why[:200])
+        try:
+            await link.send(pb.ShardReport(round=plan.round, shard=plan.members.index(group.me), have=have),
+                            timeout=d.control)
+            # the leader waits for the slowest reducer's report: up to one transfer after ours
+            msg, _ = await link.recv(pb.Contributors, max_payload=0, timeout=d.transfer + 2 * d.control)
+        except WireError as exc:
+            raise RoundAborted(f"lost the leader while settling the contributors: {exc}",
+                               blame=group.leader) from exc
+        if not msg.ok:
+            raise RoundAborted(f"leader aborted the round: {msg.reason[:300]}")
+        members = tuple(msg.members)
+        if msg.round != plan.round or not members or list(members) != sorted(set(members)) or \
+                not set(members) <= set(have):
+            raise RoundAborted("leader settled on contributors that are not ours to reduce", blame=group.leader)
+        plan.excluded.update(zip(msg.excluded, msg.excluded_reasons, strict=False))
+        return members
+
+    async def _settle_as_leader(self, group: Group, plan: Plan, have: list[str],
+                                problems: dict[str, str]) -> tuple[str, ...]:
+        d = self.deadlines
+
+        async def report_of(link: Link) -> pb.ShardReport | None:
+            try:
+                report, _ = await link.recv(pb.ShardReport, max_payload=0, timeout=d.transfer + d.control)
+            except WireError:
+                return None
+            return report if report.round == plan.round else None
+
+        reports = dict(zip(group.links, await asyncio.gather(*(report_of(link) for link in group.links.values())),
+                           strict=True))
+        holders = {group.me: set(have)}
+        holders.update({p: set(r.have) for p, r in reports.items() if r is not None and p in plan.members})
+        missing = [p for p in plan.members if p not in holders]
+        kept = set(plan.members).intersection(*holders.values())
+        excluded = {p: f"its part of {reducer[-8:]}'s shard was missing or malformed" + (
+            f": {problems[p][:200]}" if p in problems else "") for reducer, held in holders.items()
+                    for p in plan.members if p not in held}
+        reason = ""
+        if missing:
+            reason = f"no report from reducer(s) {', '.join(p[-8:] for p in missing)}: their shards are lost"
+        elif len(kept) < need(group.swarm, self.cfg.quorum):
+            reason = (f"only {len(kept)} contributions arrived whole at every reducer; a certificate needs "
+                      f"{need(group.swarm, self.cfg.quorum)}: {excluded}")
+        members = tuple(sorted(kept))
+        message = pb.Contributors(ok=not reason, reason=reason, round=plan.round, members=members,
+                                  excluded=list(excluded), excluded_reasons=list(excluded.values()))
+        await broadcast(group.links, message, timeout=d.control)
+        if reason:
+            raise RoundAborted(reason)
+        plan.excluded.update(excluded)
+        return members
 
     # --- certify --------------------------------------------------------------------------------------------------
     async def certify(self, group: Group, plan: Plan, statement: Statement) -> tuple[Certificate | None, str]:
-        """The round's certificate (None, with the reason, when there is none). A certificate of another hash
-        than ours means the swarm moved on without us: the caller re-syncs to it."""
+        """The round's certificate (None, with the reason, when there is none; RoundAborted blaming the leader when
+        it vanished or sent a bad one). A certificate of another hash than ours means the swarm moved on without us:
+        the caller re-syncs to it."""
         try:
             if group.is_leader:
                 return await self._certify_as_leader(group, statement)
@@ -170,19 +234,19 @@ class RoundSteps:
             # the leader waits for every member's vote, the slowest up to one transfer after us
             commit, _ = await link.recv(pb.Commit, max_payload=0, timeout=d.transfer + 3 * d.control)
         except WireError as exc:
-            return None, f"no certificate from the leader: {exc}"
-        if not commit.ok:
+            raise RoundAborted(f"no certificate from the leader: {exc}", blame=group.leader) from exc
+        if not commit.ok:  # too few signatures: the leader tells us honestly, and is not to blame for it
             return None, f"leader has no certificate: {commit.reason[:300]}"
         try:
             certificate = Certificate.from_bytes(commit.certificate)
         except ValueError as exc:
-            return None, f"leader sent a malformed certificate: {exc}"
+            raise RoundAborted(f"leader sent a malformed certificate: {exc}", blame=group.leader) from exc
         problem = self.chain.verify(certificate)
         theirs = certificate.statement
         if not problem and theirs != statement and theirs != _with_hash(statement, theirs.new_hash):
             problem = "it certifies another round than the one we took part in"
         if problem:
-            return None, f"leader's certificate is invalid: {problem}"
+            raise RoundAborted(f"leader's certificate is invalid: {problem}", blame=group.leader)
         return certificate, ""
 
     # --- abort ----------------------------------------------------------------------------------------------------

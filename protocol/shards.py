@@ -10,9 +10,13 @@ Each pair of contributors shares one connection, used in both directions: the me
 later one's TCP data plane, presenting the later one's round token (which only the group learnt, through the
 leader's authenticated plan); when that fails, it opens a libp2p stream to it instead (`ShardRouter`).
 
-Nothing is half-applied: a reducer that lacks any planned part — its sender died, was too slow, sent garbage —
-has no result and says so to everyone; a member that misses any reduced shard applies nothing and the round ends
-uncertified for it. One shard lost is the whole round lost, never a partial average.
+Which contributions count is settled before anything is reduced: each reducer tells the leader whose parts of
+its shard arrived well-formed, and the leader keeps the contributors every reducer holds a part of. A member that
+sent one reducer garbage (or nothing) is dropped from every shard alike, and the round goes on without it.
+
+Nothing is half-applied: a shard whose reducer dies, or whose reduced bytes do not arrive, is lost, and a member
+that misses any reduced shard applies nothing; the round ends uncertified for it. One shard lost is the whole round
+lost for that member, never a partial average.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -211,6 +215,7 @@ class Reduced:
     received: int = 0
     direct: int = 0  # pipes that ran on TCP
     send_s: float = 0.0  # from the first part sent to the last: what the member's uplink took
+    members: tuple[str, ...] = ()  # the settled contributors: those whose Δ is in the average
     pipes: dict[str, Pipe] = field(default_factory=dict)
 
 
@@ -220,11 +225,16 @@ class ShardTimeouts:
     transfer: float  # one part or one reduced shard on the wire
 
 
+Settle = Callable[[list[str], dict[str, str]], Awaitable[tuple[str, ...]]]
+
+
 async def reduce_shards(plan: Plan, delta: torch.Tensor, *, me: str, codec: Codec, router: ShardRouter,
-                        inbox: Inbox, timeouts: ShardTimeouts, use_tcp: bool,
+                        inbox: Inbox, timeouts: ShardTimeouts, use_tcp: bool, settle: Settle,
                         after_parts: Callable[[], None] = lambda: None) -> Reduced:
-    """Run this member's side of the plan: send its parts, reduce its shard, gather everyone's. Raises
-    RoundAborted when any shard is lost (nothing was applied: the caller just discards the round)."""
+    """Run this member's side of the plan: send its parts, gather the parts of its shard, settle with the leader
+    which contributors count (`settle(have, problems)` returns the members every reducer holds a part of), reduce
+    its shard over those, and gather everyone's reduced shards. Raises RoundAborted when any shard is lost (nothing
+    was applied: the caller just discards the round)."""
     k = plan.members.index(me)
     others = [p for p in plan.members if p != me]
     inbox.expect(set(plan.members[:k]))
@@ -233,8 +243,10 @@ async def reduce_shards(plan: Plan, delta: torch.Tensor, *, me: str, codec: Code
         out.pipes = await _open_pipes(plan, k, router=router, inbox=inbox, timeouts=timeouts, use_tcp=use_tcp)
         out.direct = sum(p.direct for p in out.pipes.values())
         own = delta.reshape(-1).to(torch.float32)
-        reduced = await _reduce_own_shard(plan, k, own, out, codec=codec, timeout=timeouts.transfer,
-                                          after_parts=after_parts)
+        parts, problems = await _gather_parts(plan, k, own, out, codec=codec, timeout=timeouts.transfer,
+                                              after_parts=after_parts)
+        out.members = await settle(sorted(parts), problems)
+        reduced = await asyncio.get_running_loop().run_in_executor(None, _weighted_sum, plan, out.members, parts)
         await _exchange_results(plan, k, reduced, out, codec=codec, timeout=timeouts.transfer)
     except BaseException:
         for pipe in out.pipes.values():
@@ -245,6 +257,16 @@ async def reduce_shards(plan: Plan, delta: torch.Tensor, *, me: str, codec: Code
     for task in finishing:
         task.add_done_callback(_background.discard)
     return out
+
+
+def _weighted_sum(plan: Plan, members: tuple[str, ...], parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Σ w_i part_i / Σ w_i over the settled contributors, in their sorted order, with the plan's weights."""
+    weight = dict(zip(plan.members, plan.weights, strict=True))
+    total = sum(weight[p] for p in members)
+    acc = torch.mul(parts[members[0]], weight[members[0]] / total)
+    for peer in members[1:]:
+        acc.add_(parts[peer], alpha=weight[peer] / total)
+    return acc
 
 
 _background: set[asyncio.Future[None]] = set()  # pipes closing after their last frame was confirmed
@@ -261,69 +283,73 @@ async def _open_pipes(plan: Plan, k: int, *, router: ShardRouter, inbox: Inbox, 
 
     pipes: dict[str, Pipe] = {}
     results = await asyncio.gather(*(one(i) for i in range(len(plan.members)) if i != k), return_exceptions=True)
-    failed = []
+    failed: dict[str, str] = {}
     for i, r in zip((i for i in range(len(plan.members)) if i != k), results, strict=True):
         if isinstance(r, BaseException):
-            failed.append(f"{plan.members[i][-8:]} ({type(r).__name__})")
+            failed[plan.members[i]] = f"{plan.members[i][-8:]} ({type(r).__name__})"
         else:
             pipes[r[0]] = r[1]
     if failed:
         for pipe in pipes.values():
             pipe.close()
-        raise RoundAborted(f"no shard connection to {', '.join(failed)}")
+        raise RoundAborted(f"no shard connection to {', '.join(failed.values())}", blame=next(iter(failed)))
     return pipes
 
 
-async def _reduce_own_shard(plan: Plan, k: int, own: torch.Tensor, out: Reduced, *, codec: Codec,
-                            timeout: float, after_parts: Callable[[], None]) -> torch.Tensor:
-    """Send every other reducer its part of our Δ while reducing our own shard from everyone's parts."""
+async def _gather_parts(plan: Plan, k: int, own: torch.Tensor, out: Reduced, *, codec: Codec, timeout: float,
+                        after_parts: Callable[[], None]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Send every other reducer its part of our Δ while receiving and checking the parts of our own shard. Returns
+    the well-formed parts by contributor (ours included) and why the others are missing."""
     loop = asyncio.get_running_loop()
     mine = plan.shard(k)
-    acc = own[mine].mul(plan.share(k))
-    cap = codec.encoded_size(mine.stop - mine.start)
-    lock = asyncio.Lock()  # one decode-accumulate into `acc` at a time
+    size = mine.stop - mine.start
+    cap = codec.encoded_size(size)
     n = len(plan.members)
     order = [(k + s) % n for s in range(1, n)]  # everyone starts with a different reducer
+    parts: dict[str, torch.Tensor] = {}
+    problems: dict[str, str] = {}
+    # Our own part is checked like anyone's: a non-finite Δ of ours (a bug, a diverged replica) must drop us from
+    # the round, not poison our shard.
+    if bool(torch.isfinite(own[mine]).all()):
+        parts[plan.members[k]] = own[mine]
+    else:
+        problems[plan.members[k]] = "our own Δ holds NaN or Inf"
     started = time.monotonic()
 
     async def send_parts() -> None:
         for j in order:
-            payload = await loop.run_in_executor(None, codec.encode, own[plan.shard(j)])
-            n = await out.pipes[plan.members[j]].send(pb.ShardPart(round=plan.round, shard=j), payload,
-                                                      timeout=timeout)
-            out.sent += n  # (never `+= await`: that reads the total before the await and loses concurrent adds)
+            try:
+                payload = await loop.run_in_executor(None, codec.encode, own[plan.shard(j)])
+            except CodecError as exc:  # e.g. a non-finite Δ: send what reducer j will refuse, not nothing
+                logger.warning("our part of shard %d cannot be encoded (%s); reducer %d will refuse it", j, exc, j)
+                payload = b""
+            sent = await out.pipes[plan.members[j]].send(pb.ShardPart(round=plan.round, shard=j), payload,
+                                                         timeout=timeout)
+            out.sent += sent  # (never `+= await`: that reads the total before the await, losing concurrent adds)
         out.send_s = time.monotonic() - started
         after_parts()
 
-    async def receive_part(i: int) -> str:
+    async def receive_part(i: int) -> None:
         peer = plan.members[i]
         try:
             header, body = await out.pipes[peer].recv(pb.ShardPart, max_payload=cap, timeout=timeout)
-            if header.round != plan.round or header.shard != k:
-                return f"{peer[-8:]} sent a part of round {header.round}, shard {header.shard}"
             out.received += frame_bytes(header, len(body))
-            async with lock:
-                await loop.run_in_executor(None, codec.decode_accumulate, body, mine.stop - mine.start, acc,
-                                           plan.share(i))
-            return ""
+            if header.round != plan.round or header.shard != k:
+                problems[peer] = f"sent a part of round {header.round}, shard {header.shard}"
+                return
+            parts[peer] = await loop.run_in_executor(None, codec.decode, body, size)
         except WireError as exc:
-            return f"no part from {peer[-8:]}: {exc}"
+            problems[peer] = f"no part of shard {k}: {exc}"
         except CodecError as exc:
-            return f"malformed part from {peer[-8:]}: {exc}"
+            problems[peer] = f"malformed part of shard {k}: {exc}"
 
     sending = asyncio.ensure_future(send_parts())
-    problems = [p for p in await asyncio.gather(*(receive_part(i) for i in order)) if p]
-    if problems:
-        # Our shard has no result, so the round is lost for everyone: the caller closes every pipe, which ends
-        # the other members' waits for our parts and our result at once instead of at their deadlines.
-        sending.add_done_callback(lambda task: task.cancelled() or task.exception())
-        sending.cancel()
-        raise RoundAborted(f"shard {k} (ours) lost: {'; '.join(problems)[:500]}")
+    await asyncio.gather(*(receive_part(i) for i in order))
     try:
         await sending
     except WireError as exc:
         raise RoundAborted(f"could not send our parts: {exc}") from exc
-    return acc
+    return parts, problems
 
 
 async def _send_result(plan: Plan, k: int, out: Reduced, payload: bytes | bytearray | memoryview,
@@ -347,10 +373,13 @@ async def _exchange_results(plan: Plan, k: int, reduced: torch.Tensor, out: Redu
     """Send our reduced shard to everyone and place everyone's in the average."""
     loop = asyncio.get_running_loop()
     mine = plan.shard(k)
-    payload = await loop.run_in_executor(None, codec.encode, reduced)
-    # Everyone applies what they decode: the reducer too, so that every member holds the same bytes.
-    out.average[mine] = reduced if codec.lossless else await loop.run_in_executor(
-        None, codec.decode, bytearray(payload), mine.stop - mine.start)
+    try:
+        payload = await loop.run_in_executor(None, codec.encode, reduced)
+        # Everyone applies what they decode: the reducer too, so that every member holds the same bytes.
+        out.average[mine] = reduced if codec.lossless else await loop.run_in_executor(
+            None, codec.decode, bytearray(payload), mine.stop - mine.start)
+    except CodecError as exc:  # finite parts averaged to something the codec cannot carry: the shard is lost
+        raise RoundAborted(f"our reduced shard {k} cannot be encoded: {exc}") from exc
 
     async def receive_result(i: int) -> str:
         peer, theirs = plan.members[i], plan.shard(i)
@@ -370,10 +399,9 @@ async def _exchange_results(plan: Plan, k: int, reduced: torch.Tensor, out: Redu
         except CodecError as exc:
             return f"malformed result from {peer[-8:]}: {exc}"
 
+    others = [i for i in range(len(plan.members)) if i != k]
     _, problems = await asyncio.gather(
-        _send_result(plan, k, out, payload, timeout),
-        asyncio.gather(*(receive_result(i) for i in range(len(plan.members)) if i != k)),
-    )
-    lost = [p for p in problems if p]
+        _send_result(plan, k, out, payload, timeout), asyncio.gather(*(receive_result(i) for i in others)))
+    lost = [plan.members[i] for i, p in zip(others, problems, strict=True) if p]
     if lost:
-        raise RoundAborted(f"shard lost: {'; '.join(lost)[:500]}")
+        raise RoundAborted(f"shard lost: {'; '.join(p for p in problems if p)[:500]}", blame=lost[0])

@@ -188,10 +188,11 @@ def test_incompatible_peer_is_refused_with_reason(swarm: Swarm) -> None:
 
 @pytest.mark.parametrize(
     "fault,reason",
-    [("nan", "malformed tensor"), ("wrong_numel", "elements, model has"), ("zero_tokens", "token weight 0")],
+    [("nan", "malformed part"), ("wrong_numel", "elements, model has"), ("zero_tokens", "token weight 0")],
 )
 def test_bad_sender_excluded_round_succeeds(swarm: Swarm, fault: str, reason: str) -> None:
-    """NaN, wrong shape or a zero weight: the sender is excluded, the round still commits for everyone."""
+    """NaN, wrong shape or a zero weight: the sender is excluded (a wrong size or weight from its claim, NaN parts
+    by every reducer, settled by the leader), and the round still commits for everyone else."""
     (_, low), (_, mid), (bad_id, high) = swarm.identities(3)
     swarm.start("a", identity=low, rounds=2, wait_for=3)
     swarm.start("b", identity=mid, rounds=2, wait_for=3)

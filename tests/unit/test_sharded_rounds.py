@@ -8,10 +8,11 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from _fake_rounds import NUMEL, by_rank, peers, whole_round
+from _fake_rounds import NUMEL, by_rank, peers, round_from_heads, whole_round
 
 from protocol.codecs import Codec, get_codec
 from protocol.hooks import Hooks
+from protocol.plans import shard_bounds
 from protocol.rounds import Outcome
 from protocol.testing.fake import FakeNetwork
 
@@ -57,21 +58,63 @@ def test_a_member_dying_mid_reduce_loses_the_round_for_everyone(net: FakeNetwork
     survivors = [(r, a) for r, a, av in zip(results, applied, averagers, strict=True) if av.transport.peer_id != victim]
     assert all(r.outcome == Outcome.DISCARDED for r, _ in survivors), [r.reason for r, _ in survivors]
     assert all(not a.holds_new_state for _, a in survivors)
-    assert all(av.head.round == 0 for av in averagers if av.transport.peer_id != victim)
+    alive = [av for av in averagers if av.transport.peer_id != victim]
+    assert all(av.head.round == 0 for av in alive)
+    # The leader is not to blame for a member's death: the survivors follow it again at once and certify the round
+    # (skipping it would leave it leading alone, everyone else waiting for a group around someone else).
+    again, _ = round_from_heads(alive)
+    assert [r.outcome for r in again] == [Outcome.COMMITTED] * 3, [r.reason for r in again]
+    assert {r.leader for r in again} == {alive[0].transport.peer_id}
 
 
-class _TruncatingCodec(Codec):
-    """Encodes one element short: what a hostile member (or a hostile reducer) sends."""
+class _BadResultCodec(Codec):
+    """Encodes its member's parts honestly, then its reduced shard one element short: a hostile reducer."""
+
+    def __init__(self, parts: int) -> None:
+        super().__init__("fp32", lossless=True)
+        object.__setattr__(self, "left", parts)
 
     def encode(self, flat: torch.Tensor) -> bytes | memoryview:
-        return bytes(super().encode(flat))[:-4]
+        object.__setattr__(self, "left", self.left - 1)  # type: ignore[attr-defined]
+        data = bytes(super().encode(flat))
+        return data if self.left >= 0 else data[:-4]  # type: ignore[attr-defined]
 
 
-def test_a_malformed_shard_from_one_member_loses_the_round_for_everyone(net: FakeNetwork) -> None:
-    averagers = peers(net, 3, quorum=3)
-    averagers[1].steps.codec = _TruncatingCodec("fp32", lossless=True)  # type: ignore[union-attr]
+@pytest.mark.parametrize("where", ["everywhere", "own shard"])
+def test_a_malformed_part_drops_its_sender_from_every_shard_and_the_round_commits(net: FakeNetwork,
+                                                                                  where: str) -> None:
+    """One member sends NaN: every reducer refuses its part, the leader settles on the three others, and the round
+    is certified without it (before settling, one bad part would have lost every round). A NaN only in the shard
+    the member reduces itself is caught by its own check of its own part, not by anyone else's."""
+    averagers = by_rank(peers(net, 4, quorum=3))
+    bad = averagers[3]
+    own = shard_bounds(NUMEL, [0.25] * 4)
+    k = sorted(a.transport.peer_id for a in averagers).index(bad.transport.peer_id)
+
+    class NaNs(Hooks):
+        def contribution(self, round_number: int, delta: torch.Tensor, tokens: int) -> tuple[torch.Tensor, int]:
+            if where == "everywhere":
+                return torch.full_like(delta, float("nan")), tokens
+            poisoned = delta.clone()
+            poisoned[(own[k] + own[k + 1]) // 2] = float("nan")
+            return poisoned, tokens
+
+    bad.hooks = NaNs()
     results, applied = whole_round(averagers)
-    assert [r.outcome for r in results] == [Outcome.DISCARDED] * 3, [r.reason for r in results]
-    assert any("malformed" in r.reason for r in results), [r.reason for r in results]
+    good = [r for r, a in zip(results, averagers, strict=True) if a is not bad]
+    assert all(r.outcome == Outcome.COMMITTED for r in good), [r.reason for r in results]
+    assert all(bad.transport.peer_id not in r.members and len(r.members) == 3 for r in good)
+    assert "malformed" in good[0].excluded[bad.transport.peer_id], good[0].excluded
+    assert all(not torch.isnan(a.calls[0]).any() for a in applied)
+    assert len({r.certificate.statement for r in good}) == 1  # type: ignore[union-attr]
+
+
+def test_a_reducer_sending_a_malformed_shard_loses_the_round_for_everyone(net: FakeNetwork) -> None:
+    averagers = peers(net, 3, quorum=3)
+    averagers[1].steps.codec = _BadResultCodec(parts=2)  # type: ignore[union-attr]
+    results, applied = whole_round(averagers)
+    others = [r for i, r in enumerate(results) if i != 1]
+    assert all(r.outcome == Outcome.DISCARDED for r in others), [r.reason for r in results]
+    assert all("malformed result" in r.reason for r in others), [r.reason for r in others]
     assert not any(a.holds_new_state for a in applied)
     assert all(a.head.round == 0 for a in averagers)
