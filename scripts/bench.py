@@ -27,6 +27,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "join": ("scripts.bench_join", "late-joiner state fetch vs a plain loopback socket"),
     "trust": ("scripts.bench_trust", "certified rounds: certification vs exchange, and the offline checks"),
     "scale": ("scripts.bench_scale", "round overhead and memory per peer vs the number of peers (2 .. 32)"),
+    "codecs": ("scripts.bench_codecs", "codec encode/decode throughput: now vs before, and vs a loopback send"),
 }
 
 

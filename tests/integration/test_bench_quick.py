@@ -145,3 +145,14 @@ def test_scale_quick(tmp_path: Path) -> None:
     assert entry["peers"] == 2 and not entry.get("note"), entry
     assert entry["members"] == [2] and positive(entry["overhead_s"]), entry
     assert positive(entry["memory"]["per_peer_pss_mb"]), entry["memory"]
+
+
+@pytest.mark.timeout(100)
+def test_codecs_quick(tmp_path: Path) -> None:
+    out, data = run_bench(["codecs"], tmp_path, 90)
+    assert "before" in out and positive(data["fp32_send_s"])
+    for name, entry in data["results"].items():
+        timed = ("encode_s", "decode_s", "decode_into_s", "decode_accumulate_s", "send_s")
+        assert all(positive(entry[k]) for k in timed), name
+        assert none_or_positive(entry["before_encode_s"]) and positive(entry["pipeline_vs_fp32_send"])
+        assert 0 < entry["size_ratio"] <= 1 and entry["rel_error"] < 0.2, (name, entry)

@@ -6,11 +6,12 @@ import struct
 import pytest
 import torch
 
+from protocol import codecs
 from protocol.codecs import BLOCK, CODECS, CodecError, get_codec
 
 
 @pytest.mark.parametrize("name", list(CODECS))
-@pytest.mark.parametrize("numel", [0, 1, 127, 128, 1000])
+@pytest.mark.parametrize("numel", [0, 1, 127, 128, 129, 3 * BLOCK + 1, 1000])
 def test_round_trip_and_size(name: str, numel: int) -> None:
     codec = get_codec(name)
     x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 1e-3
@@ -56,3 +57,160 @@ def test_non_finite_rejected(bad: float) -> None:
 def test_unknown_codec_names_choices() -> None:
     with pytest.raises(ValueError, match="allowed fp32, fp16, bf16, int8, int4"):
         get_codec("zip")
+
+
+# --- fused decoding, hostile input against a live accumulator, slices, odd sizes, per-block error bounds ---
+
+ODD_SIZES = [0, 1, 127, 128, 129, 3 * BLOCK + 1, 1000]
+FLT_MAX = torch.finfo(torch.float32).max
+
+
+def sample(numel: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * 1e-3
+
+
+@pytest.fixture(params=[False, True], ids=["one-chunk", "many-chunks"])
+def chunked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also run with tiny chunks, so that chunk boundaries and the tail block are crossed at small sizes."""
+    if request.param:
+        monkeypatch.setattr(codecs, "CHUNK_ROWS", 2)
+
+
+@pytest.mark.usefixtures("chunked")
+@pytest.mark.parametrize("name", list(CODECS))
+@pytest.mark.parametrize("numel", ODD_SIZES)
+@pytest.mark.parametrize("weight", [1.0, 0.25, -3.0])
+def test_decode_accumulate_equals_add_of_decode(name: str, numel: int, weight: float) -> None:
+    codec = get_codec(name)
+    data = codec.encode(sample(numel, numel))
+    base = sample(numel, 99)
+    out = base.clone()
+    codec.decode_accumulate(data, numel, out, weight)
+    torch.testing.assert_close(out, base + weight * codec.decode(data, numel), rtol=1e-6, atol=1e-9)
+    into = torch.full((numel,), 7.0)
+    codec.decode_into(data, numel, into)
+    assert torch.equal(into, codec.decode(data, numel))
+
+
+@pytest.mark.parametrize("name", list(CODECS))
+@pytest.mark.parametrize("kind", [bytes, bytearray, memoryview])
+def test_any_buffer_type_decodes(name: str, kind: type) -> None:
+    codec = get_codec(name)
+    x = sample(300)
+    data = kind(bytes(codec.encode(x)))
+    ref = codec.decode(bytearray(codec.encode(x)), 300)
+    assert torch.equal(codec.decode(data, 300), ref)
+    out = torch.zeros(300)
+    codec.decode_accumulate(data, 300, out, 2.0)
+    torch.testing.assert_close(out, 2.0 * ref)
+
+
+def test_typed_memoryview_counts_bytes() -> None:
+    x = torch.randn(10)
+    assert torch.equal(get_codec("fp32").decode(memoryview(x.numpy()), 10), x)  # format "f": len() is 10, not 40
+
+
+def _hostile(name: str, numel: int) -> list[bytes]:
+    """Encodings of `numel` elements broken in the *last* place a decoder looks: validation must see all of it."""
+    codec = get_codec(name)
+    good = bytes(codec.encode(sample(numel)))
+    bad = [good[:-1], good + b"\0"]
+    blocks = -(-numel // BLOCK)
+    if name in ("fp32", "fp16", "bf16"):
+        dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
+        for v in (float("nan"), float("inf"), -float("inf")):
+            x = sample(numel).to(dtype)
+            x[-1] = v
+            bad.append(x.view(torch.uint8).numpy().tobytes())
+        return bad
+    limit = FLT_MAX / (127 if name == "int8" else 7)
+    for v in (float("nan"), float("inf"), -1e-3, -0.0 - 1e-30, limit * 1.0001):
+        b = bytearray(good)
+        b[4 * (blocks - 1):4 * blocks] = struct.pack("<f", v)  # the last block's scale
+        bad.append(bytes(b))
+    b = bytearray(good)
+    if name == "int8":
+        b[-1] = 0x80  # -128
+        bad.append(bytes(b))
+    else:
+        b[-1] = (b[-1] & 0xF0) | 0x00  # low nibble 0
+        bad.append(bytes(b))
+        b = bytearray(good)
+        b[-1] = b[-1] & 0x0F  # high nibble 0
+        bad.append(bytes(b))
+    return bad
+
+
+@pytest.mark.usefixtures("chunked")
+@pytest.mark.parametrize("name", list(CODECS))
+@pytest.mark.parametrize("numel", [1, 129, 1000])
+def test_hostile_input_leaves_out_untouched(name: str, numel: int) -> None:
+    codec = get_codec(name)
+    for data in _hostile(name, numel):
+        for fused in (True, False):
+            out = sample(numel, 5)
+            before = out.clone()
+            with pytest.raises(CodecError):
+                if fused:
+                    codec.decode_accumulate(data, numel, out, 0.5)
+                else:
+                    codec.decode_into(data, numel, out)
+            assert torch.equal(out, before), name
+        with pytest.raises(CodecError):
+            codec.decode(data, numel)
+
+
+@pytest.mark.parametrize("name", list(CODECS))
+def test_out_must_fit(name: str) -> None:
+    codec = get_codec(name)
+    data = codec.encode(sample(10))
+    for out in (torch.zeros(11), torch.zeros(10, dtype=torch.float64), torch.zeros(20)[::2]):
+        with pytest.raises(ValueError, match="out"):
+            codec.decode_accumulate(data, 10, out, 1.0)
+
+
+@pytest.mark.parametrize("name", list(CODECS))
+def test_slices_encode_self_contained(name: str) -> None:
+    codec = get_codec(name)
+    x = sample(5 * BLOCK + 17, 3)
+    for lo, hi in [(0, 129), (129, 400), (400, x.numel())]:
+        piece = x[lo:hi]
+        data = codec.encode(piece)
+        assert bytes(data) == bytes(codec.encode(piece.clone()))  # nothing outside the slice leaks in
+        assert torch.equal(codec.decode(data, hi - lo), codec.decode(codec.encode(piece.clone()), hi - lo))
+    strided = x[::3]
+    assert bytes(codec.encode(strided)) == bytes(codec.encode(strided.contiguous()))
+
+
+@pytest.mark.parametrize("name,levels", [("int8", 127), ("int4", 7)])
+@pytest.mark.parametrize("numel", [1, 127, 129, 4 * BLOCK + 1])
+def test_per_block_error_bound(name: str, levels: int, numel: int) -> None:
+    codec = get_codec(name)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * torch.logspace(-6, 3, numel)
+    y = codec.decode(codec.encode(x), numel)
+    for b in range(0, numel, BLOCK):
+        xb, yb = x[b:b + BLOCK], y[b:b + BLOCK]
+        amax = float(xb.abs().max())
+        assert float((yb - xb).abs().max()) <= amax / (2 * levels) * (1 + 1e-5) + 1e-30, (name, b)
+        assert float(yb.abs().max()) <= amax * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_extreme_blocks(name: str) -> None:
+    codec = get_codec(name)
+    x = torch.zeros(4 * BLOCK)
+    x[BLOCK:2 * BLOCK] = 1e-44  # subnormal block: no NaN or Inf may come out
+    x[2 * BLOCK] = FLT_MAX
+    x[3 * BLOCK] = -FLT_MAX
+    y = codec.decode(codec.encode(x), x.numel())
+    assert torch.isfinite(y).all() and torch.equal(y[:BLOCK], x[:BLOCK])  # all-zero block stays exactly zero
+    assert float(y[2 * BLOCK]) > 0.99 * FLT_MAX and float(y[3 * BLOCK]) < -0.99 * FLT_MAX
+
+
+def test_int4_wire_layout() -> None:
+    """Byte j of a block: element j in the low nibble, element j + BLOCK/2 in the high nibble, both as q + 8."""
+    q = torch.arange(BLOCK) % 15 - 7
+    body = bytes(((int(q[j]) + 8) | ((int(q[j + BLOCK // 2]) + 8) << 4)) for j in range(BLOCK // 2))
+    data = struct.pack("<f", 0.5) + body
+    assert torch.equal(get_codec("int4").decode(data, BLOCK), q.float() * 0.5)
+    assert bytes(get_codec("int4").encode(q.float() * 0.5)) == data
