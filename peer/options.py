@@ -105,6 +105,10 @@ OPTIONS: tuple[Option, ...] = (
            "look for relays automatically when behind NAT (hivemind use_auto_relay)"),
     Option("--dht-process", "network", "dht_process",
            "run the DHT node in hivemind's forked process (default: on this peer's own loop, half the memory)"),
+    Option("--dht-timeout", "network", "dht_timeout_s", "seconds one DHT request may take (hivemind wait_timeout)"),
+    Option("--heartbeat", "network", "heartbeat_s", "seconds between republishing this peer's DHT record"),
+    Option("--record-ttl", "network", "record_ttl_s",
+           "seconds this peer's DHT record lives unless republished (others drop a silent peer after it)"),
     # [bootstrap]: finding the first peer through a coordinator's ready file (the compose setup)
     Option("--bootstrap-file", "bootstrap", "file",
            "wait for this coordinator ready file (swarmloco coordinator --ready-file) and dial its DHT node; "

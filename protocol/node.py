@@ -50,6 +50,7 @@ class NetworkConfig:
     # hivemind's forked DHT process copies the whole peer (torch, model) copy-on-write and dirties it: on a tiny
     # model it doubles the peer's memory. In-process, DHT requests share our GIL instead; they are few and small.
     dht_process: bool = False
+    dht_timeout_s: float = 3.0  # one DHT RPC (hivemind's wait_timeout); a machine running dozens of peers needs more
 
     def __post_init__(self) -> None:
         if not self.run_id or len(self.run_id) > 64 or not all(c.isalnum() or c in "-_." for c in self.run_id):
@@ -61,6 +62,8 @@ class NetworkConfig:
                 )
         if not 1.0 <= self.record_ttl_s <= MAX_RECORD_TTL_S:
             raise ValueError(f"record_ttl_s: got {self.record_ttl_s}, allowed 1 .. {MAX_RECORD_TTL_S:.0f}")
+        if not 0.5 <= self.dht_timeout_s <= 120:
+            raise ValueError(f"dht_timeout_s: got {self.dht_timeout_s}, allowed 0.5 .. 120")
         if not 0.1 <= self.heartbeat_s < self.record_ttl_s:
             raise ValueError(f"heartbeat_s: got {self.heartbeat_s}, allowed 0.1 .. record_ttl_s ({self.record_ttl_s})")
 
@@ -94,6 +97,7 @@ class SwarmNode:
             use_relay=self.net.use_relay,
             use_auto_relay=self.net.use_auto_relay,
             record_validators=[RunValidator(self.net.run_id, self.gate.authority)],
+            wait_timeout=self.net.dht_timeout_s,
             start=True,
         )
         if self.net.announce_maddrs:

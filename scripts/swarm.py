@@ -93,6 +93,10 @@ def _peer_argv(args: argparse.Namespace, i: int, workdir: Path, bootstrap: list[
         # whole group on one of them. The defaults are made for one peer per machine.
         argv += ["--control-timeout", f"{10 * f:g}", "--exchange-timeout", f"{60 * f:g}",
                  "--round-timeout", f"{60 * f:g}", "--grace-max", f"{10 * f:g}"]
+        # Every heartbeat re-signs a record that every other peer then re-verifies (~0.7 ms each): N² checks per
+        # heartbeat, which alone ate a core at 32 peers. DHT requests between starved processes need more time.
+        argv += ["--heartbeat", f"{2 * f:g}", "--record-ttl", f"{min(300.0, 20 * f):g}",
+                 "--dht-timeout", f"{min(8.0, 3 * f):g}"]
     if coordinator_url:
         argv += ["--coordinator", coordinator_url]  # the coordinator is the run's authority and issues tickets
     else:
