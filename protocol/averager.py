@@ -36,9 +36,9 @@ from protocol.codecs import get_codec
 from protocol.data_plane import DataPlane
 from protocol.hooks import Hooks
 from protocol.matchmaking import Group, Matchmaker, RoundAborted
+from protocol.pipes import ShardRouter
 from protocol.round_steps import RoundSteps
 from protocol.rounds import Behind, Deadlines, LocalModel, Outcome, RoundConfig
-from protocol.shards import ShardRouter
 from protocol.transport import Transport
 
 logger = logging.getLogger(__name__)

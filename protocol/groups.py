@@ -34,7 +34,9 @@ class Group:
     release: asyncio.Future[None] | None = None  # leader: resolved once the exchange is over (join handlers then end)
     swarm: int = 1  # active peers the group is a majority of (the leader's count, checked by every member)
     tickets: dict[str, bytes] = field(default_factory=dict)  # leader: each member's ticket, for the certificate
-    planned: bool = False  # leader: the plan went out (an abort is then a Commit, not a Plan)
+    # leader: how far the round got, so that an abort is the message members wait for (a Plan, the Contributors,
+    # or a Commit)
+    stage: str = "closed"
 
     @property
     def is_leader(self) -> bool:

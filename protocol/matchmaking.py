@@ -380,7 +380,7 @@ class Matchmaker:
                 # Closing our end resets the libp2p stream and can cut off a result still in flight: wait for the
                 # member to close first (it does once it has read the result), or for the deadline. A group that was
                 # abandoned before closing has nothing in flight: close at once so the member moves on.
-                await asyncio.wait_for(reader.read(1), timeout=d.linger)
+                await asyncio.wait_for(_until_eof(reader), timeout=d.linger)
         except (TimeoutError, WireError, asyncio.CancelledError, ConnectionError) as exc:
             logger.debug("join stream from %s ended: %r", caller[-8:], exc)
             if collect is not None and not collect.closed and collect.members.get(caller) is link:
@@ -388,3 +388,9 @@ class Matchmaker:
                 collect.changed.set()
         finally:
             close_writer(writer)
+
+
+async def _until_eof(reader: asyncio.StreamReader) -> None:
+    """Read (and drop) whatever the member still sends until it closes its end."""
+    while await reader.read(1 << 12):
+        pass

@@ -25,9 +25,10 @@ from protocol.codecs import Codec
 from protocol.exchange import Claim, Link, broadcast, collect_claims
 from protocol.groups import Group, RoundAborted
 from protocol.hooks import Hooks
+from protocol.pipes import ShardRouter
 from protocol.plans import Endpoint, Plan, bandwidth_shares, plan_problem, shard_bounds
 from protocol.rounds import Deadlines, LocalModel, RoundConfig, token_weights
-from protocol.shards import Reduced, ShardRouter, ShardTimeouts, reduce_shards
+from protocol.shards import Reduced, ShardTimeouts, reduce_shards
 from protocol.transport import Transport
 from protocol.wire import WireError
 
@@ -64,7 +65,8 @@ class RoundSteps:
                                           use_tcp=self.use_tcp, after_parts=after_parts,
                                           settle=functools.partial(self._settle, group, plan))
         except BaseException:
-            await self._release(group)
+            if not group.is_leader:  # a leader releases its members only after telling them (`abort`)
+                await self._release(group)
             raise
         finally:
             self.router.close(inbox)
@@ -94,7 +96,7 @@ class RoundSteps:
                     numel=self.model.numel, prev_hash=prev.state_hash, swarm=group.swarm,
                     work=prev.work + sum(weights), excluded=claims.excluded)
         await broadcast(group.links, plan.to_pb(), timeout=d.control)
-        group.planned = True
+        group.stage = "planned"
         return plan
 
     async def _receive_plan(self, group: Group, tokens: int, staleness: int, prev: Head, endpoint: Endpoint,
@@ -180,6 +182,7 @@ class RoundSteps:
         message = pb.Contributors(ok=not reason, reason=reason, round=plan.round, members=members,
                                   excluded=list(excluded), excluded_reasons=list(excluded.values()))
         await broadcast(group.links, message, timeout=d.control)
+        group.stage = "settled"
         if reason:
             raise RoundAborted(reason)
         plan.excluded.update(excluded)
@@ -253,7 +256,8 @@ class RoundSteps:
     async def abort(self, group: Group, reason: str) -> None:
         """The round ends here without a certificate; members learn it from their leader (or its silence)."""
         if group.is_leader:
-            message = pb.Commit(ok=False, reason=reason) if group.planned else pb.Plan(ok=False, reason=reason)
+            kind = {"closed": pb.Plan, "planned": pb.Contributors}.get(group.stage, pb.Commit)
+            message = kind(ok=False, reason=reason)
             try:
                 await broadcast(group.links, message, timeout=self.deadlines.control)
             finally:

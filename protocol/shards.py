@@ -6,9 +6,7 @@ then carries about 2 (N − 1) / N times the encoded vector, as in a ring all-re
 2 (N − 1) times), and each member decodes about one vector's worth of parts. Every reduced shard has exactly one
 source, its reducer, so all members that receive every shard apply bit-identical averages.
 
-Each pair of contributors shares one connection, used in both directions: the member earlier in the plan dials the
-later one's TCP data plane, presenting the later one's round token (which only the group learnt, through the
-leader's authenticated plan); when that fails, it opens a libp2p stream to it instead (`ShardRouter`).
+Each pair of contributors shares one connection (`protocol.pipes`): TCP where it can, a libp2p stream where not.
 
 Which contributions count is settled before anything is reduced: each reducer tells the leader whose parts of
 its shard arrived well-formed, and the leader keeps the contributors every reducer holds a part of. A member that
@@ -21,189 +19,21 @@ lost for that member, never a partial average.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import torch
-from google.protobuf.message import Message
 
 from protocol import swarmloco_wire_pb2 as pb
 from protocol.codecs import Codec, CodecError
-from protocol.data_plane import DataConn, DataPlane, connect
 from protocol.groups import RoundAborted
-from protocol.plans import Endpoint, Plan
-from protocol.records import PROTOCOL_VERSION
-from protocol.transport import Transport
-from protocol.wire import WireError, close_writer, frame_bytes, read_frame, write_frame
+from protocol.pipes import Inbox, Pipe, ShardRouter
+from protocol.plans import Plan
+from protocol.wire import WireError, frame_bytes
 
 logger = logging.getLogger(__name__)
-M = TypeVar("M", bound=Message)
-_BYE_WAIT_S = 10.0  # at most this long, in the background, for the other side to confirm it has everything
-
-
-class Pipe:
-    """The connection between two contributors of one round: a TCP data connection or a libp2p stream."""
-
-    def __init__(self, peer: str, *, conn: DataConn | None = None, reader: asyncio.StreamReader | None = None,
-                 writer: asyncio.StreamWriter | None = None) -> None:
-        self.peer, self.conn, self.reader, self.writer = peer, conn, reader, writer
-        self.finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    @property
-    def direct(self) -> bool:
-        return self.conn is not None
-
-    async def send(self, header: Message, payload: bytes | bytearray | memoryview = b"", *, timeout: float) -> int:
-        if self.conn is not None:
-            await self.conn.send_frame(header, payload, timeout=timeout)
-        else:
-            assert self.writer is not None
-            await write_frame(self.writer, header, payload, timeout=timeout)
-        return frame_bytes(header, len(payload))
-
-    async def recv(self, header_type: type[M], *, max_payload: int, timeout: float) -> tuple[M, bytearray]:
-        if self.conn is not None:
-            return await self.conn.recv_frame(header_type, max_payload=max_payload, timeout=timeout)
-        assert self.reader is not None
-        return await read_frame(self.reader, header_type, max_payload=max_payload, timeout=timeout)
-
-    async def finish(self, round_number: int, *, timeout: float = _BYE_WAIT_S) -> None:
-        """Say we have everything, wait (bounded) until the other side says so too, and close."""
-        with contextlib.suppress(WireError, TimeoutError):
-            await self.send(pb.ShardBye(round=round_number), timeout=timeout)
-            await self.recv(pb.ShardBye, max_payload=0, timeout=timeout)
-        self.close()
-
-    def close(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-        if self.writer is not None:
-            close_writer(self.writer)
-        if not self.finished.done():
-            self.finished.set_result(None)
-
-
-class Inbox:
-    """This member's end of one round's shard connections: the pipes the members before it in the plan open."""
-
-    def __init__(self, round_number: int, token: str, *, max_pipes: int) -> None:
-        self.round, self.token, self.max_pipes = round_number, token, max_pipes
-        self.expected: set[str] | None = None  # once the plan is known, only these senders are kept
-        self._pipes: dict[str, asyncio.Future[Pipe]] = {}
-        self._taken: set[str] = set()
-        self.closed = False
-
-    def _slot(self, peer: str) -> asyncio.Future[Pipe]:
-        if peer not in self._pipes:
-            self._pipes[peer] = asyncio.get_running_loop().create_future()
-        return self._pipes[peer]
-
-    def offer(self, pipe: Pipe) -> bool:
-        """Keep an incoming pipe; False (and closed) when it is unexpected, a duplicate, or one too many."""
-        unexpected = self.expected is not None and pipe.peer not in self.expected
-        full = pipe.peer not in self._pipes and len(self._pipes) >= self.max_pipes
-        if self.closed or unexpected or full or self._slot(pipe.peer).done():
-            pipe.close()
-            return False
-        self._slot(pipe.peer).set_result(pipe)
-        return True
-
-    def expect(self, senders: set[str]) -> None:
-        self.expected = senders
-        for peer in [p for p in self._pipes if p not in senders]:
-            slot = self._pipes.pop(peer)
-            if slot.done():
-                slot.result().close()
-
-    async def pipe(self, peer: str, *, timeout: float) -> Pipe:
-        """The pipe `peer` opened to us; from here on the caller owns it."""
-        pipe = await asyncio.wait_for(asyncio.shield(self._slot(peer)), timeout)
-        self._taken.add(peer)
-        return pipe
-
-    def close(self) -> None:
-        """No more pipes: those nobody took are closed (the ones taken close with their exchange)."""
-        self.closed = True
-        for peer, slot in self._pipes.items():
-            if not slot.done():
-                slot.cancel()
-            elif peer not in self._taken:
-                slot.result().close()
-
-
-class ShardRouter:
-    """Routes incoming shard connections (TCP hellos and libp2p streams) to the inbox of their round."""
-
-    def __init__(self, transport: Transport, data_plane: DataPlane | None, *, max_group: int,
-                 control_timeout: float) -> None:
-        self.transport, self.data_plane = transport, data_plane
-        self.max_group, self.control_timeout = max_group, control_timeout
-        self.handler_name = f"swarmloco/{transport.run_id}/shard/v{PROTOCOL_VERSION}"
-        self._inboxes: dict[str, Inbox] = {}
-
-    async def register(self) -> None:
-        await self.transport.add_handler(self.handler_name, self._handle_stream)
-
-    def open(self, round_number: int) -> Inbox:
-        inbox = Inbox(round_number, secrets.token_hex(16), max_pipes=self.max_group)
-        self._inboxes[inbox.token] = inbox
-        if self.data_plane is not None:
-            self.data_plane.listen(inbox.token, lambda conn, hello: self._on_tcp(inbox, conn, hello))
-        return inbox
-
-    def endpoint(self, inbox: Inbox) -> Endpoint:
-        return Endpoint(tuple(self.data_plane.addrs) if self.data_plane is not None else (), inbox.token)
-
-    def close(self, inbox: Inbox) -> None:
-        self._inboxes.pop(inbox.token, None)
-        if self.data_plane is not None:
-            self.data_plane.forget(inbox.token)
-        inbox.close()
-
-    def _on_tcp(self, inbox: Inbox, conn: DataConn, hello: pb.DataHello) -> None:
-        if hello.round != inbox.round or not hello.sender:
-            conn.close()
-            return
-        inbox.offer(Pipe(hello.sender, conn=conn))
-
-    async def _handle_stream(self, caller: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            hello, _ = await read_frame(reader, pb.ShardHello, max_payload=0, timeout=self.control_timeout)
-        except WireError:
-            close_writer(writer)
-            return
-        inbox = self._inboxes.get(hello.token)
-        if inbox is None or hello.round != inbox.round:
-            close_writer(writer)
-            return
-        pipe = Pipe(caller, reader=reader, writer=writer)
-        if inbox.offer(pipe):
-            await pipe.finished  # the stream lives as long as the pipe: returning would close it
-
-    async def dial(self, peer: str, endpoint: Endpoint, round_number: int, *, timeout: float,
-                   use_tcp: bool) -> Pipe:
-        """A pipe to a later member: its TCP data plane when reachable, else a libp2p stream. Raises WireError."""
-        if use_tcp and endpoint.addrs:
-            conn = await connect(list(endpoint.addrs), endpoint.token, timeout=min(3.0, timeout),
-                                 sender=self.transport.peer_id, round_number=round_number)
-            if conn is not None:
-                return Pipe(peer, conn=conn)
-        try:
-            reader, writer = await self.transport.open_stream(peer, self.handler_name, timeout=timeout)
-        except Exception as exc:  # noqa: BLE001 - whatever keeps us from a member means: no pipe to it
-            raise WireError(f"cannot reach {peer[-8:]}: {exc!r}") from exc
-        pipe = Pipe(peer, reader=reader, writer=writer)
-        try:
-            await pipe.send(pb.ShardHello(token=endpoint.token, round=round_number), timeout=timeout)
-        except WireError:
-            pipe.close()
-            raise
-        return pipe
 
 
 @dataclass
@@ -316,13 +146,20 @@ async def _gather_parts(plan: Plan, k: int, own: torch.Tensor, out: Reduced, *, 
         problems[plan.members[k]] = "our own Δ holds NaN or Inf"
     started = time.monotonic()
 
+    def encode(j: int) -> bytes | bytearray | memoryview:
+        try:
+            return codec.encode(own[plan.shard(j)])
+        except CodecError as exc:  # e.g. a non-finite Δ: send what reducer j will refuse, not nothing
+            logger.warning("our part of shard %d cannot be encoded (%s); reducer %d will refuse it", j, exc, j)
+            return b""
+
     async def send_parts() -> None:
-        for j in order:
-            try:
-                payload = await loop.run_in_executor(None, codec.encode, own[plan.shard(j)])
-            except CodecError as exc:  # e.g. a non-finite Δ: send what reducer j will refuse, not nothing
-                logger.warning("our part of shard %d cannot be encoded (%s); reducer %d will refuse it", j, exc, j)
-                payload = b""
+        # Part j + 1 is encoded (on an executor thread) while part j is on the wire.
+        encoding = loop.run_in_executor(None, encode, order[0]) if order else None
+        for at, j in enumerate(order):
+            assert encoding is not None
+            payload = await encoding
+            encoding = loop.run_in_executor(None, encode, order[at + 1]) if at + 1 < len(order) else None
             sent = await out.pipes[plan.members[j]].send(pb.ShardPart(round=plan.round, shard=j), payload,
                                                          timeout=timeout)
             out.sent += sent  # (never `+= await`: that reads the total before the await, losing concurrent adds)
@@ -392,7 +229,7 @@ async def _exchange_results(plan: Plan, k: int, reduced: torch.Tensor, out: Redu
             if not header.ok:
                 return f"{peer[-8:]} has no result for shard {i}: {header.reason[:200]}"
             out.received += frame_bytes(header, len(body))
-            out.average[theirs] = await loop.run_in_executor(None, codec.decode, body, size)
+            await loop.run_in_executor(None, codec.decode_into, body, size, out.average[theirs])
             return ""
         except WireError as exc:
             return f"no result from {peer[-8:]}: {exc}"
