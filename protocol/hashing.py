@@ -169,14 +169,16 @@ def pack_state(params: Mapping[str, torch.Tensor], momentum: Mapping[str, torch.
 
 
 def unpack_state(
-    blob: bytes | bytearray, shapes: Mapping[str, torch.Size], names: Sequence[str]
+    blob: bytes | bytearray | memoryview, shapes: Mapping[str, torch.Size], names: Sequence[str]
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Inverse of `pack_state` for a model of these parameter shapes; ValueError when the size does not fit. A
-    bytearray is wrapped in place (the tensors share its memory); bytes are copied once."""
+    writable buffer (bytearray, a download's memoryview) is wrapped in place: the tensors share its memory; bytes
+    are copied once."""
     sizes = [int(torch.Size(shapes[n]).numel()) for n in names]
     if len(blob) != 8 * sum(sizes):
         raise ValueError(f"state blob of {len(blob)} bytes does not fit this model ({8 * sum(sizes)} bytes)")
-    buffer = blob if isinstance(blob, bytearray) else bytearray(blob)
+    writable = isinstance(blob, bytearray) or (isinstance(blob, memoryview) and not blob.readonly)
+    buffer = blob if writable else bytearray(blob)
     flat = torch.frombuffer(buffer, dtype=torch.float32) if len(blob) else torch.zeros(0)
     parts: list[dict[str, torch.Tensor]] = [{}, {}]
     offset = 0
@@ -187,7 +189,7 @@ def unpack_state(
     return parts[0], parts[1]
 
 
-def blob_hash(blob: bytes | bytearray, shapes: Mapping[str, torch.Size], names: Sequence[str]) -> str:
+def blob_hash(blob: bytes | bytearray | memoryview, shapes: Mapping[str, torch.Size], names: Sequence[str]) -> str:
     """The state hash of a served blob; "" when the blob does not fit the model (so it never matches a real hash)."""
     layout = state_layout(shapes, names)
     if len(blob) != layout.total_bytes:

@@ -70,8 +70,8 @@ class RoundSteps:
             raise
         finally:
             self.router.close(inbox)
-        if reduced.send_s > 0 and reduced.sent > 0:
-            self.bandwidth = reduced.sent / reduced.send_s
+        if reduced.send_s > 0 and reduced.parts_sent > 0:
+            self.bandwidth = reduced.parts_sent / reduced.send_s
         return plan, reduced
 
     async def _plan(self, group: Group, tokens: int, staleness: int, prev: Head, endpoint: Endpoint) -> Plan:
@@ -114,6 +114,8 @@ class RoundSteps:
             raise RoundAborted(f"leader aborted the round: {msg.reason[:300]}")
         plan = Plan.from_pb(msg)
         me = self.transport.peer_id
+        if me not in plan.members:  # the leader refused our claim, and says why: its judgement, not a fault
+            raise RoundAborted(f"our contribution was excluded: {plan.excluded.get(me, '')[:300]}")
         problem = plan_problem(plan, round_number=group.round, codec=self.codec.name, numel=self.model.numel, me=me,
                                group=group.members, max_group=self.cfg.max_group)
         if not problem:
@@ -136,8 +138,10 @@ class RoundSteps:
         for peer, why in problems.items():
             logger.info("round %d: part from %s refused: %s", group.round, peer[-8:], why[:200])
         try:
-            await link.send(pb.ShardReport(round=plan.round, shard=plan.members.index(group.me), have=have),
-                            timeout=d.control)
+            refused = [p for p in plan.members if p in problems]
+            report = pb.ShardReport(round=plan.round, shard=plan.members.index(group.me), have=have, refused=refused,
+                                    refused_reasons=[problems[p][:200] for p in refused])
+            await link.send(report, timeout=d.control)
             # the leader waits for the slowest reducer's report: up to one transfer after ours
             msg, _ = await link.recv(pb.Contributors, max_payload=0, timeout=d.transfer + 2 * d.control)
         except WireError as exc:
@@ -166,12 +170,18 @@ class RoundSteps:
         reports = dict(zip(group.links, await asyncio.gather(*(report_of(link) for link in group.links.values())),
                            strict=True))
         holders = {group.me: set(have)}
-        holders.update({p: set(r.have) for p, r in reports.items() if r is not None and p in plan.members})
+        why: dict[str, list[str]] = {p: [f"{group.me[-8:]}: {problems[p][:200]}"] for p in problems}
+        for reducer, r in reports.items():
+            if r is None or reducer not in plan.members:
+                continue
+            holders[reducer] = set(r.have)
+            for p, reason in zip(r.refused, r.refused_reasons, strict=False):
+                if p in plan.members:
+                    why.setdefault(p, []).append(f"{reducer[-8:]}: {reason[:200]}")
         missing = [p for p in plan.members if p not in holders]
         kept = set(plan.members).intersection(*holders.values())
-        excluded = {p: f"its part of {reducer[-8:]}'s shard was missing or malformed" + (
-            f": {problems[p][:200]}" if p in problems else "") for reducer, held in holders.items()
-                    for p in plan.members if p not in held}
+        excluded = {p: "; ".join(why.get(p, [])[:3]) or "its part of some shard did not arrive"
+                    for p in plan.members if p not in kept}
         reason = ""
         if missing:
             reason = f"no report from reducer(s) {', '.join(p[-8:] for p in missing)}: their shards are lost"

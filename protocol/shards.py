@@ -45,6 +45,7 @@ class Reduced:
     received: int = 0
     direct: int = 0  # pipes that ran on TCP
     send_s: float = 0.0  # from the first part sent to the last: what the member's uplink took
+    parts_sent: int = 0  # the bytes of those parts
     members: tuple[str, ...] = ()  # the settled contributors: those whose Δ is in the average
     pipes: dict[str, Pipe] = field(default_factory=dict)
 
@@ -143,7 +144,7 @@ async def _gather_parts(plan: Plan, k: int, own: torch.Tensor, out: Reduced, *, 
     if bool(torch.isfinite(own[mine]).all()):
         parts[plan.members[k]] = own[mine]
     else:
-        problems[plan.members[k]] = "our own Δ holds NaN or Inf"
+        problems[plan.members[k]] = f"malformed part of shard {k} (our own): NaN or Inf"
     started = time.monotonic()
 
     def encode(j: int) -> bytes | bytearray | memoryview:
@@ -163,6 +164,7 @@ async def _gather_parts(plan: Plan, k: int, own: torch.Tensor, out: Reduced, *, 
             sent = await out.pipes[plan.members[j]].send(pb.ShardPart(round=plan.round, shard=j), payload,
                                                          timeout=timeout)
             out.sent += sent  # (never `+= await`: that reads the total before the await, losing concurrent adds)
+            out.parts_sent += sent
         out.send_s = time.monotonic() - started
         after_parts()
 

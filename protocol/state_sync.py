@@ -224,10 +224,10 @@ async def download_state(
     ticket: bytes = b"",
     config: FetchConfig | None = None,
     timeout: float = 300.0,
-) -> tuple[bytearray, list[str]]:
+) -> tuple[memoryview, list[str]]:
     """Fetch the state from up to `config.max_donors` donors at once, every chunk verified against the leaves the
-    certified root commits to; returns (blob, failures: donors that failed or lied). Raises StateSyncError, also
-    when `timeout` passes."""
+    certified root commits to; returns (blob: a writable byte view, failures: donors that failed or lied). Raises
+    StateSyncError, also when `timeout` passes."""
     transfer = Transfer(node, layout, round_number=round_number, state_hash=state_hash, fingerprint=fingerprint,
                         ticket=ticket, cfg=config or FetchConfig())
     try:

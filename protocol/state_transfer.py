@@ -22,6 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+import numpy as np
+import torch
 from google.protobuf.message import Message
 
 from protocol import swarmloco_wire_pb2 as pb
@@ -141,7 +143,11 @@ class Transfer:
         self.node, self.layout, self.cfg = node, layout, cfg
         self.round_number, self.state_hash = round_number, state_hash
         self.fingerprint, self.ticket = fingerprint, ticket
-        self.blob = bytearray(layout.total_bytes)
+        # Not zero-filled (a bytearray would be: one more pass over the whole state, on the loop, before the first
+        # request); every byte is written by a verified chunk before the blob is returned.
+        self._buffer = torch.empty(layout.total_bytes, dtype=torch.uint8)
+        self._array = self._buffer.numpy()
+        self.blob = memoryview(self._array)
         self.leaves: tuple[bytes, ...] | None = None
         self.pending: deque[int] = deque(range(layout.leaves))
         self.missing = layout.leaves
@@ -151,7 +157,7 @@ class Transfer:
         self.busy: list[str] = []
         self.chunks_from: dict[str, int] = {}
 
-    async def run(self, donors: Sequence[str]) -> bytearray:
+    async def run(self, donors: Sequence[str]) -> memoryview:
         queue = list(dict.fromkeys(d for d in donors if d != self.node.peer_id))
         active: set[asyncio.Task[None]] = set()
         pause = self.cfg.busy_retry_s
@@ -279,7 +285,7 @@ class Transfer:
         if hashlib.sha256(payload).digest() != self.leaves[index]:
             return False
         start, length = self.layout.chunk(index)
-        self.blob[start : start + length] = payload
+        self._array[start : start + length] = np.frombuffer(payload, dtype=np.uint8)  # numpy copies without the GIL
         return True
 
     def _checked(self, donor: str, index: int, check: asyncio.Future[bool]) -> None:

@@ -107,7 +107,7 @@ def test_a_malformed_part_drops_its_sender_from_every_shard_and_the_round_commit
     good = [r for r, a in zip(results, averagers, strict=True) if a is not bad]
     assert all(r.outcome == Outcome.COMMITTED for r in good), [r.reason for r in results]
     assert all(bad.transport.peer_id not in r.members and len(r.members) == 3 for r in good)
-    assert "malformed" in good[0].excluded[bad.transport.peer_id], good[0].excluded
+    assert "malformed part" in good[0].excluded[bad.transport.peer_id], good[0].excluded
     assert all(not torch.isnan(a.calls[0]).any() for a in applied)
     assert len({r.certificate.statement for r in good}) == 1  # type: ignore[union-attr]
 
