@@ -63,7 +63,9 @@ def state_blob(replica: Replica) -> bytes:
     return pack_state(replica.global_params, replica.momentum, replica.names)
 
 
-def parse_blob(blob: bytes | bytearray, replica: Replica) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def parse_blob(
+    blob: bytes | bytearray | memoryview, replica: Replica
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     return unpack_state(blob, _shapes(replica), replica.names)
 
 
