@@ -196,6 +196,7 @@ class Swarm:
     def watch(self) -> None:
         args = self.args
         last_kill = time.monotonic()
+        done_at: float | None = None  # when the last requested round was committed
         while any(p.alive() for p in self.peers):
             time.sleep(0.5)
             self.sample_memory()
@@ -211,6 +212,14 @@ class Swarm:
             elapsed = time.monotonic() - self.started
             if elapsed > args.timeout:
                 logger.error("swarm did not finish within %.0fs; stopping peers", args.timeout)
+                return
+            if self.best_round >= args.rounds and done_at is None:
+                done_at = time.monotonic()
+            if done_at is not None and time.monotonic() - done_at > 60 * load_factor(args.peers):
+                # The swarm finished; a peer that missed the last round can no longer form a group, and would
+                # otherwise wait for the whole --timeout.
+                print(f"round {args.rounds} is committed; stopping {sum(p.alive() for p in self.peers)} peer(s) "
+                      "that missed it", flush=True)
                 return
             if args.kill_every and time.monotonic() - last_kill >= args.kill_every and self.best_round < args.rounds:
                 self.chaos(elapsed)
