@@ -7,6 +7,7 @@ Subcommands (each prints a markdown table of ratios measured side by side in one
   utilisation  compute vs wait share of heterogeneous peers shaped-link self-check
   join         late-joiner state fetch vs moving the same bytes over a plain loopback socket
   trust        certified rounds: certification vs exchange time per round, and the cost of each offline check
+  codecs       encode/decode throughput of every codec, now vs before vectorising, vs a loopback send
   scale        round overhead (matchmaking, exchange, commit) and memory per peer for 2 .. 32 local peers
 The logic lives in scripts/bench_<name>.py; `--quick` shrinks every size for a CI smoke test.
 """

@@ -1,5 +1,5 @@
 """The protocol over real hivemind nodes on 127.0.0.1 (p2pd included): split groups merging, the DHT refusing forged
-records. State downloads from real nodes are in tests/integration/test_state_transfer.py."""
+records. State downloads from real nodes are in tests/integration/test_state_transfer_nodes.py."""
 from __future__ import annotations
 
 import dataclasses
