@@ -167,7 +167,8 @@ class RoundSteps:
                 return None
             return report if report.round == plan.round else None
 
-        reports = dict(zip(group.links, await asyncio.gather(*(report_of(link) for link in group.links.values())),
+        reducers = [p for p in group.links if p in plan.members]  # an excluded member has nothing to report
+        reports = dict(zip(reducers, await asyncio.gather(*(report_of(group.links[p]) for p in reducers)),
                            strict=True))
         holders = {group.me: set(have)}
         why: dict[str, list[str]] = {p: [f"{group.me[-8:]}: {problems[p][:200]}"] for p in problems}
