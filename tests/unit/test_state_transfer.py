@@ -137,7 +137,9 @@ def test_donor_leaving_mid_transfer_loses_only_its_chunks(net: FakeNetwork) -> N
     (quitter, sq), (steady, ss) = _donor(net), _donor(net)
     sq.vanish_after, sq.delay_s, ss.delay_s = 1, 0.0, 0.05  # type: ignore[attr-defined]
     got, bad = _fetch(net, net.peer(), [quitter.peer_id, steady.peer_id])
-    assert bytes(got) == BLOB and bad == [quitter.peer_id] and sq.sent == 1
+    # The quitter is reported once the joiner notices it is gone; when the steady donor hands over the last chunk
+    # first, the download ends before that (a race the result does not depend on).
+    assert bytes(got) == BLOB and set(bad) <= {quitter.peer_id} and sq.sent == 1
 
 
 def test_crowd_of_joiners_is_bounded_and_told_busy(net: FakeNetwork) -> None:
