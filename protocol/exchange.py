@@ -15,7 +15,7 @@ from typing import TypeVar
 from google.protobuf.message import Message
 
 from protocol import swarmloco_wire_pb2 as pb
-from protocol.plans import MAX_ADDRS, MAX_FIELD_CHARS, Endpoint
+from protocol.plans import Endpoint, endpoint_ok
 from protocol.rounds import check_contribution
 from protocol.wire import WireError, close_writer, frame_bytes, read_frame, write_frame
 
@@ -67,8 +67,7 @@ def claim_problem(header: pb.Contribution, *, codec: str, numel: int, max_stalen
                                  max_staleness=max_staleness)
     if problem:
         return problem
-    fields = [*header.data_addrs, header.data_token]
-    if len(header.data_addrs) > MAX_ADDRS or not header.data_token or any(len(f) > MAX_FIELD_CHARS for f in fields):
+    if not endpoint_ok(Endpoint(tuple(header.data_addrs), header.data_token)):
         return "malformed shard endpoint"
     if not 0 <= header.bandwidth < float("inf"):
         return f"bandwidth {header.bandwidth} is not a finite non-negative number"

@@ -88,9 +88,8 @@ def plan_problem(plan: Plan, *, round_number: int, codec: str, numel: int, me: s
         return "plan's weights, endpoints and shard bounds do not match its contributors"
     if any(w < 1 for w in plan.weights):
         return "plan gives a contributor a weight below 1"
-    for e in plan.endpoints:
-        if len(e.addrs) > MAX_ADDRS or any(len(a) > MAX_FIELD_CHARS for a in (*e.addrs, e.token)) or not e.token:
-            return "plan has a malformed endpoint"
+    if any(not endpoint_ok(e) for e in plan.endpoints):
+        return "plan has a malformed endpoint"
     b = plan.bounds
     if b[0] != 0 or b[-1] != numel or any(b[i] > b[i + 1] for i in range(n)):
         return "plan's shards do not cut the vector into consecutive pieces"
@@ -101,6 +100,12 @@ def plan_problem(plan: Plan, *, round_number: int, codec: str, numel: int, me: s
     if n > 1 and max(sizes) > numel * c2 / (c2 + n - 1) + SHARD_ALIGN:
         return f"plan gives one reducer {max(sizes)} of {numel} elements"
     return ""
+
+
+def endpoint_ok(endpoint: Endpoint) -> bool:
+    """A shard endpoint within bounds: a token, at most MAX_ADDRS addresses, no field over MAX_FIELD_CHARS."""
+    fields = (*endpoint.addrs, endpoint.token)
+    return bool(endpoint.token) and len(endpoint.addrs) <= MAX_ADDRS and all(len(f) <= MAX_FIELD_CHARS for f in fields)
 
 
 def bandwidth_shares(bandwidths: Sequence[float]) -> list[float]:
