@@ -1,8 +1,9 @@
 """Framing for swarmloco's streams over hivemind's libp2p binary streams.
 
 A frame is: u32 header length, the header (a protobuf message), u64 payload length, the payload. Both lengths are
-checked against caps *before* anything is read, and every read has a deadline, so a hostile or dead peer can
-neither make us allocate unbounded memory nor block us forever.
+checked against caps *before* anything is read, and a frame has one deadline for all of it (header and payload):
+a peer that drips a byte at a time cannot stretch a read past it. So a hostile or dead peer can neither make us
+allocate unbounded memory nor block us longer than the caller allowed.
 """
 from __future__ import annotations
 
@@ -40,24 +41,32 @@ async def write_frame(
 async def read_frame(
     reader: asyncio.StreamReader, header_type: type[M], *, max_payload: int, timeout: float
 ) -> tuple[M, bytearray]:
-    """Read one frame; the payload is returned as a writable bytearray (tensors can wrap it without a copy)."""
+    """Read one frame within `timeout` seconds for the whole of it; the payload is returned as a writable bytearray
+    (tensors can wrap it without a copy)."""
     try:
-        length = header_length(await asyncio.wait_for(reader.readexactly(HEADER_LEN.size), timeout))
-        raw = await asyncio.wait_for(reader.readexactly(length), timeout)
-        size = payload_length(await asyncio.wait_for(reader.readexactly(PAYLOAD_LEN.size), timeout), max_payload)
-        payload = bytearray(size)
-        view, got = memoryview(payload), 0
-        while got < size:
-            chunk = await asyncio.wait_for(reader.read(min(_CHUNK * 4, size - got)), timeout)
-            if not chunk:
-                raise WireError(f"stream ended after {got} of {size} payload bytes")
-            view[got : got + len(chunk)] = chunk
-            got += len(chunk)
+        async with asyncio.timeout(timeout):
+            raw, payload = await _read_frame(reader, max_payload)
     except asyncio.IncompleteReadError as exc:
         raise WireError("stream closed by peer") from exc
-    except (TimeoutError, OSError) as exc:
+    except TimeoutError as exc:
+        raise WireError(f"reading {header_type.__name__} failed: no whole frame within {timeout:.3g}s") from exc
+    except OSError as exc:
         raise WireError(f"reading {header_type.__name__} failed: {exc!r}") from exc
     return parse_header(header_type, raw), payload
+
+
+async def _read_frame(reader: asyncio.StreamReader, max_payload: int) -> tuple[bytes, bytearray]:
+    raw = await reader.readexactly(header_length(await reader.readexactly(HEADER_LEN.size)))
+    size = payload_length(await reader.readexactly(PAYLOAD_LEN.size), max_payload)
+    payload = bytearray(size)
+    view, got = memoryview(payload), 0
+    while got < size:
+        chunk = await reader.read(min(_CHUNK * 4, size - got))
+        if not chunk:
+            raise WireError(f"stream ended after {got} of {size} payload bytes")
+        view[got : got + len(chunk)] = chunk
+        got += len(chunk)
+    return raw, payload
 
 
 # --- the frame format, shared with the socket-based data plane ------------------------------------------------------
