@@ -60,6 +60,7 @@ MAX_REPORT_BYTES = 128 * 1024
 MAX_MEMBERS = 256
 _DOMAIN = b"swarmloco-report-v1\n"
 _MAX_INT = 2**53  # JSON-safe integers (JavaScript's dashboard reads them too)
+_MAX_INT_CHARS = 20  # a JSON integer literal, sign included: room for any 64-bit integer
 _MAX_SECONDS = 1e7
 _MAX_LOSS = 1e6
 
@@ -135,6 +136,21 @@ BODY_SCHEMAS: dict[str, dict[str, _Field]] = {
 _ENVELOPE_KEYS = frozenset({"peer_id", "run_id", "kind", "timestamp", "nonce", "body", "signature"})
 
 
+def _number_within(value: int | float, lo: float, hi: float) -> bool:
+    """``lo <= value <= hi`` and finite, for an int of any size too: ``math.isfinite`` and ``float`` raise
+    OverflowError on an int beyond the float range, while comparing an int with a float is exact."""
+    if type(value) is float and not math.isfinite(value):
+        return False
+    return lo <= value <= hi
+
+
+def _show(value: Any) -> str:
+    """A short rendering of a hostile value for an error message (a huge int is not spelled out)."""
+    if type(value) is int and abs(value) >= 10**18:
+        return f"<{value.bit_length()}-bit integer>"
+    return repr(value)[:40]
+
+
 def _check_value(where: str, spec: _Field, value: Any) -> Any:
     if value is None:
         if spec.nullable:
@@ -144,14 +160,14 @@ def _check_value(where: str, spec: _Field, value: Any) -> Any:
         if type(value) is not int:  # bool is an int subclass: refuse it explicitly
             raise ReportError(f"{where} must be an integer, got {type(value).__name__}")
         if not spec.lo <= value <= spec.hi:
-            raise ReportError(f"{where}={value} is outside [{spec.lo:g}, {spec.hi:g}]")
+            raise ReportError(f"{where}={_show(value)} is outside [{spec.lo:g}, {spec.hi:g}]")
         return value
     if spec.kind == "float":
         if type(value) not in (int, float):
             raise ReportError(f"{where} must be a number, got {type(value).__name__}")
-        if not math.isfinite(value) or not spec.lo <= value <= spec.hi:
-            raise ReportError(f"{where}={value!r} is not finite or outside [{spec.lo:g}, {spec.hi:g}]")
-        return float(value)
+        if not _number_within(value, spec.lo, spec.hi):
+            raise ReportError(f"{where}={_show(value)} is not finite or outside [{spec.lo:g}, {spec.hi:g}]")
+        return float(value)  # in range, so an int converts without overflow
     if spec.kind in ("str", "hex", "enum"):
         if type(value) is not str:
             raise ReportError(f"{where} must be a string, got {type(value).__name__}")
@@ -266,7 +282,8 @@ def validate_envelope(obj: Any) -> Report:
         raise ReportError("run_id must be 1-64 chars of letters, digits, '.', '_' or '-', starting alphanumeric")
     if type(kind) is not str or kind not in KINDS:
         raise ReportError(f"kind must be one of {', '.join(KINDS)}")
-    if type(ts) not in (int, float) or not math.isfinite(ts) or not 0 < ts < 1e11:
+    # NaN and infinities fail the comparison too; an int of any size compares exactly (no float conversion)
+    if type(ts) not in (int, float) or not 0 < ts < 1e11:
         raise ReportError("timestamp must be a finite number of seconds since the Unix epoch")
     if type(nonce) is not str or not NONCE_RE.fullmatch(nonce):
         raise ReportError("nonce must be 16-64 lowercase hex digits")
@@ -288,8 +305,16 @@ def load_bounded_json(raw: bytes | str, *, max_bytes: int, what: str, error: typ
     def _no_constants(name: str) -> Any:
         raise error(f"non-finite number {name} is not allowed", 400)
 
+    def _bounded_int(text: str) -> int:
+        # No field takes an integer beyond 2**53; refusing long literals here keeps every later check (and
+        # float conversion) on numbers a float can hold.
+        if len(text) > _MAX_INT_CHARS:
+            raise error(f"integer {text[:20]}... ({len(text)} characters) is outside the range of every field "
+                        f"(at most {_MAX_INT_CHARS} characters)", 400)
+        return int(text)
+
     try:
-        return json.loads(raw, parse_constant=_no_constants)
+        return json.loads(raw, parse_constant=_no_constants, parse_int=_bounded_int)
     except error:
         raise
     except (ValueError, RecursionError) as e:
