@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from coordinator.service import CoordinatorService
 from protocol.ticket_request import MAX_REQUEST_BYTES
@@ -31,7 +32,8 @@ STATIC_DIR = Path(__file__).parent / "static"
 RunId = Annotated[str | None, Query(max_length=64, description="Only this run")]
 PeerId = Annotated[str | None, Query(max_length=128, description="Only this peer (base58 peer id)")]
 Limit = Annotated[int, Query(ge=1, le=1000, description="Page size")]
-Cursor = Annotated[int | None, Query(ge=0, description="`next_cursor` of the previous page")]
+# SQLite integers are 64-bit: a larger cursor would raise OverflowError in the store instead of a 422
+Cursor = Annotated[int | None, Query(ge=0, le=2**63 - 1, description="`next_cursor` of the previous page")]
 Order = Annotated[Literal["asc", "desc"], Query(description="Order by id")]
 
 
@@ -40,16 +42,20 @@ def _error(status: int, message: str) -> JSONResponse:
 
 
 async def _read_capped(request: Request, cap: int) -> bytes | None:
-    """Read the request body, giving up (None) as soon as it exceeds ``cap`` bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > cap:
+    """Read the request body, giving up (None) as soon as it exceeds ``cap`` bytes. A client that goes away
+    mid-body (or is cut off by the request deadline) reads as an empty body: nobody is left to hear the 400."""
+    declared = request.headers.get("content-length", "")
+    if declared.isascii() and declared.isdigit() and (len(declared) > 18 or int(declared) > cap):
         return None
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > cap:
-            return None
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > cap:
+                return None
+            chunks.append(chunk)
+    except ClientDisconnect:
+        return b""
     return b"".join(chunks)
 
 

@@ -24,7 +24,7 @@ from protocol.admission import AdmissionPolicy, Gate, Revocations, Ticket
 from protocol.identity import Identity
 from protocol.ticket_request import MAX_AGE_S, MAX_AHEAD_S, TicketRequestError, parse_ticket_request
 
-__all__ = ["Answer", "Authority", "AuthorityConfig"]
+__all__ = ["HOSTILE_INPUT_ERRORS", "Answer", "Authority", "AuthorityConfig", "bad_input"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,19 @@ class Answer:
 
 def _refuse(status: int, message: str) -> Answer:
     return Answer(status=status, body={"error": message})
+
+
+# What a parser of untrusted bytes may raise beyond its own error type when its checks miss a case (an integer
+# too large for a float, deep nesting, an unexpected type): the input is still bad, so the answer is still a 400.
+HOSTILE_INPUT_ERRORS: tuple[type[Exception], ...] = (ArithmeticError, ValueError, TypeError, KeyError,
+                                                      RecursionError)
+
+
+def bad_input(what: str, client: str, error: Exception) -> Answer:
+    """A 400 for input a parser choked on, with one log line (no traceback: the sender is at fault)."""
+    logger.warning("refused a %s from %s that the parser did not expect: %s: %s", what, client[:64],
+                   type(error).__name__, str(error)[:200])
+    return _refuse(400, f"malformed {what} ({type(error).__name__}: {str(error)[:200]})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,6 +118,8 @@ class Authority:
             request = parse_ticket_request(raw)
         except TicketRequestError as e:
             return _refuse(e.status, str(e))
+        except HOSTILE_INPUT_ERRORS as e:
+            return bad_input("ticket request", client, e)
         late = request.clock_problem(now, max_age_s=MAX_AGE_S, max_ahead_s=self.max_future_s)
         if late:
             return _refuse(422, late)

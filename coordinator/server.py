@@ -33,6 +33,7 @@ from typing import Any, Self
 import uvicorn
 
 from coordinator.app import create_app
+from coordinator.connections import ConnectionGuard, ConnectionLimits, guarded_protocol
 from coordinator.service import CoordinatorService, ServiceConfig
 from coordinator.store import SQLiteStore
 from protocol.identity import load_or_create_identity
@@ -59,6 +60,7 @@ class CoordinatorConfig:
     identity_path: Path | None = None  # default: <db>.key
     ready_file: Path | None = None
     service: ServiceConfig = field(default_factory=ServiceConfig)
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -91,9 +93,14 @@ class CoordinatorServer:
         self.port: int = self._sock.getsockname()[1]
         shown = "127.0.0.1" if config.host in ("0.0.0.0", "") else config.host
         self.url = f"http://{shown}:{self.port}" if ":" not in shown else f"http://[{shown}]:{self.port}"
+        # Connections are capped and timed out by the guard (see coordinator.connections); uvicorn's own
+        # limit_concurrency would count idle connections and answer real requests 503.
+        self.connections = ConnectionGuard.for_process(config.connections)
         self._server = uvicorn.Server(uvicorn.Config(
-            create_app(self.service), log_level="warning", access_log=False, timeout_keep_alive=5,
-            limit_concurrency=256, timeout_graceful_shutdown=3))
+            create_app(self.service), http=guarded_protocol(self.connections), log_level="warning",
+            access_log=False, timeout_keep_alive=max(1, round(config.connections.idle_timeout_s)),
+            limit_concurrency=None, h11_max_incomplete_event_size=config.connections.max_header_bytes,
+            timeout_graceful_shutdown=3))
         self._thread: threading.Thread | None = None
         self.dht: Any = None
         self.dht_maddrs: list[str] = []

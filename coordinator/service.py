@@ -24,7 +24,7 @@ from typing import Any
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import generate_latest
 
-from coordinator.authority import Answer, Authority, AuthorityConfig
+from coordinator.authority import HOSTILE_INPUT_ERRORS, Answer, Authority, AuthorityConfig, bad_input
 from coordinator.limits import RateLimiter
 from coordinator.store import Page, Store
 from protocol.certificates import Certificate
@@ -108,6 +108,8 @@ class CoordinatorService:
             report = parse_report(raw, max_bytes=self.config.max_report_bytes)
         except ReportError as e:
             return Answer(status=e.status, body={"error": str(e)})
+        except HOSTILE_INPUT_ERRORS as e:  # a gap in the validator: still the sender's fault, still a 400
+            return bad_input("report", client, e)
         envelope = report.to_json()
         digest = content_hash(envelope)
         known = self.store.find_report(report.peer_id, report.nonce)
@@ -148,7 +150,7 @@ class CoordinatorService:
             certificate = Certificate.from_bytes(b["certificate"].encode())
             # quorum 1: the certificate's own majority rule (need(swarm, quorum)) makes it the swarm's state
             problem = certificate.problem(run_id=report.run_id, gate=gate, quorum=1)
-        except (ValueError, TypeError, RecursionError) as e:  # hostile JSON: wrong types, deep nesting
+        except HOSTILE_INPUT_ERRORS as e:  # hostile JSON: wrong types, deep nesting, huge integers
             return None, f"malformed commit certificate: {type(e).__name__}: {str(e)[:200]}"
         if problem:
             return None, f"invalid commit certificate: {problem}"
