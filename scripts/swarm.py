@@ -29,6 +29,7 @@ from scripts.swarm_procs import (
     become_subreaper,
     merge_rounds,
     raise_interrupt,
+    set_aside_previous_run,
     start_coordinator,
     stop_session,
 )
@@ -292,6 +293,10 @@ def run_swarm(args: argparse.Namespace) -> int:
     become_subreaper()
     signal.signal(signal.SIGTERM, raise_interrupt)  # SIGTERM too must reach the cleanup below
     swarm = Swarm(args, slowdowns)
+    previous = set_aside_previous_run(swarm.root, markers=(AUTHORITY_KEY, "coordinator.sqlite", "summary.json"))
+    if previous is not None:
+        # Peers would otherwise reuse the old identities and checkpoints, and the coordinator its database.
+        print(f"{swarm.root} holds an earlier run: moved it to {previous}; starting clean", flush=True)
     swarm.root.mkdir(parents=True, exist_ok=True)
     load_or_create_identity(swarm.root / AUTHORITY_KEY)  # before any peer reads it
     try:

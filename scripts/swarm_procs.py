@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,6 +50,10 @@ class PeerProc:
 
     def start(self, env: dict[str, str], *, resume: bool) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.proc is None and self.log.exists():
+            # An earlier launch's lines are not this run's events: read only what this run appends. (A restarted
+            # peer keeps the offset, so the lines its killed predecessor wrote last are still read.)
+            self.log_offset = self.log.stat().st_size
         argv = self.argv + (["--resume"] if resume else [])
         if self.spawner is not None:
             self.proc = self.spawner.spawn(argv, str(self.log), str(self.workdir / "stderr.log"))
@@ -86,6 +91,18 @@ class PeerProc:
                 new.append(event)
         self.events.extend(new)
         return new
+
+
+def set_aside_previous_run(root: Path, *, markers: tuple[str, ...]) -> Path | None:
+    """Move an earlier run out of `root` so that a new run starts clean: to ROOT.previous (replacing an older one).
+    Returns where it went, or None when `root` holds no earlier run (none of `markers` exists in it)."""
+    if not any((root / name).exists() for name in markers) and not any(root.glob("peer-*")):
+        return None
+    previous = root.with_name(root.name + ".previous")
+    if previous.exists():
+        shutil.rmtree(previous)
+    root.rename(previous)
+    return previous
 
 
 def raise_interrupt(signum: int, frame: object) -> None:

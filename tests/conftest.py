@@ -68,6 +68,22 @@ def run_cli(
     )
 
 
+def console_script() -> str:
+    """The installed `swarmloco` entry point beside this interpreter: what a user runs, startup cost included."""
+    path = Path(sys.executable).parent / "swarmloco"
+    assert path.exists(), f"{path} is missing: install the project first (make install, or pip install -e .)"
+    return str(path)
+
+
+def run_swarmloco(
+    args: list[str], env: dict[str, str], *, timeout: float = 240, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Like run_cli, through the real console script."""
+    return subprocess.run(
+        [console_script(), *args], env=env, cwd=cwd or ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Everything under tests/integration starts real processes (peers, p2pd, a coordinator, a browser): marked so,
     `pytest tests/unit` and `pytest -m "not integration"` are the fast tier."""
