@@ -3,9 +3,12 @@
 libp2p (through the p2pd daemon) stays the control channel: it authenticates peers, traverses NAT and carries the
 join/close handshake. Secrets for the data plane are handed out only over those authenticated streams: in a round,
 each member's token for its shard connections reaches the other members through the leader; a donor hands a
-joiner a one-time token. A peer that can reach the advertised TCP address opens a plain connection and presents
-the token; one that cannot falls back to a libp2p stream. The TCP bytes are not encrypted: pass `--no-data-plane`
-on networks you do not trust.
+joiner a one-time token. A peer that can reach the advertised TCP address opens a plain connection and sends a
+hello with the token, signed with its peer key and addressed to the listener (`protocol.data_hello`); one that
+cannot falls back to a libp2p stream. The hello is read on the event loop, bounded in time and in number of
+handshakes pending, so strangers that connect and say nothing cost no thread. The TCP bytes after the hello are
+neither encrypted nor authenticated here (payloads carry their own signatures): pass `--no-data-plane` on networks
+you do not trust.
 
 The bulk bytes bypass the event loop: a data connection is a plain blocking socket driven from a thread pool,
 so the kernel copies a payload straight from the sender's tensor into the receiver's buffer (`sendall` of a
@@ -15,7 +18,7 @@ copies through the transport's buffers). Frames are those of `protocol.wire`, wi
 from __future__ import annotations
 
 import asyncio
-import functools
+import ipaddress
 import logging
 import secrets
 import socket
@@ -28,6 +31,15 @@ from typing import Any, TypeVar
 from google.protobuf.message import Message
 
 from protocol import swarmloco_wire_pb2 as pb
+from protocol.data_hello import (
+    HandshakeLimits,
+    PendingHandshakes,
+    ReplayGuard,
+    hello_problem,
+    read_hello,
+    signed_hello,
+)
+from protocol.identity import Identity
 from protocol.wire import (
     HEADER_LEN,
     PAYLOAD_LEN,
@@ -42,11 +54,11 @@ logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
 R = TypeVar("R")
 _CHUNK = 16 << 20  # bytes per send/recv call: the deadline is re-checked between calls
-_HELLO_TIMEOUT_S = 5.0
-# Every blocking socket call of the data plane runs here, never in the loop's default executor (which decodes
-# tensors): a group of many members must not starve the codec, nor the codec the sockets. In a sharded round a
-# member sends to and receives from every other member at once (2 (N - 1) blocking calls); a pool smaller than that
-# could fill with sends whose receivers are all queued behind their own sends, so it is sized for 64 members.
+# Every blocking socket call of an established data connection runs here (handshakes never do), never in the loop's
+# default executor (which decodes tensors): a group of many members must not starve the codec, nor the codec the
+# sockets. In a sharded round a member sends to and receives from every other member at once (2 (N - 1) blocking
+# calls); a pool smaller than that could fill with sends whose receivers are all queued behind their own sends, so
+# it is sized for 64 members.
 _IO = ThreadPoolExecutor(max_workers=160, thread_name_prefix="swarmloco-data")
 
 
@@ -153,108 +165,145 @@ Listener = Callable[[DataConn, pb.DataHello], None]
 
 
 @dataclass
+class _Route:
+    """What a token admits: hellos addressed to `me` in `run_id`, signed by `sender` (any signer when empty)."""
+
+    replay: ReplayGuard
+    me: str = ""
+    run_id: str = ""
+    sender: str = ""
+    listener: Listener | None = None
+    future: asyncio.Future[DataConn] | None = None
+
+
+@dataclass
 class DataPlane:
     bind_host: str
     advertise_hosts: list[str]
     port: int = 0
+    limits: HandshakeLimits = field(default_factory=HandshakeLimits)
     _listener: socket.socket | None = None
     _accepting: asyncio.Task[None] | None = None
-    _expected: dict[str, asyncio.Future[DataConn]] = field(default_factory=dict)
-    _listeners: dict[str, Listener] = field(default_factory=dict)
-    _handshakes: set[asyncio.Task[None]] = field(default_factory=set)
+    _routes: dict[str, _Route] = field(default_factory=dict)
+    _pending: PendingHandshakes | None = None
+    refused: int = 0  # hellos that arrived whole but were refused (unknown token, bad signature, replay, ...)
 
     async def start(self) -> None:
         listener = socket.create_server((self.bind_host, 0), backlog=128)
         listener.setblocking(False)
         self._listener, self.port = listener, listener.getsockname()[1]
+        self._pending = PendingHandshakes(self.limits)
         self._accepting = asyncio.get_running_loop().create_task(self._accept_loop())
 
     @property
     def addrs(self) -> list[str]:
         return [f"{host}:{self.port}" for host in self.advertise_hosts] if self._listener is not None else []
 
-    def expect(self) -> tuple[str, asyncio.Future[DataConn]]:
-        """A fresh one-time token and the future its connection will resolve."""
+    @property
+    def pending(self) -> int:
+        """Handshakes in progress now (for tests of the bounds)."""
+        return len(self._pending) if self._pending is not None else 0
+
+    def expect(self, *, me: str = "", run_id: str = "", sender: str = "") -> tuple[str, asyncio.Future[DataConn]]:
+        """A fresh one-time token and the future its connection will resolve: the first hello that presents it,
+        signed (by `sender` when given), addressed to `me` in `run_id` (each checked when given)."""
         token = secrets.token_hex(16)
         future: asyncio.Future[DataConn] = asyncio.get_running_loop().create_future()
-        self._expected[token] = future
+        self._routes[token] = _Route(ReplayGuard(1), me, run_id, sender, future=future)
         return token, future
 
-    def listen(self, token: str, on_connection: Listener) -> None:
-        """Hand every connection whose hello presents `token` to `on_connection` (with the hello), until forgotten.
-        The listener owns the connection from then on (and closes the ones it does not want)."""
-        self._listeners[token] = on_connection
+    def listen(self, token: str, on_connection: Listener, *, me: str = "", run_id: str = "") -> None:
+        """Hand every connection whose signed hello presents `token` (addressed to `me` in `run_id`, each checked
+        when given) to `on_connection`, with the hello, until forgotten. The listener owns the connection from
+        then on (and closes the ones it does not want); the hello's sender is proven, its round is not checked."""
+        self._routes[token] = _Route(ReplayGuard(self.limits.nonces_per_token), me, run_id, listener=on_connection)
 
     def forget(self, token: str) -> None:
-        self._listeners.pop(token, None)
-        future = self._expected.pop(token, None)
-        if future is not None and not future.done():
-            future.cancel()
+        route = self._routes.pop(token, None)
+        if route is not None and route.future is not None and not route.future.done():
+            route.future.cancel()
 
     async def _accept_loop(self) -> None:
-        assert self._listener is not None
+        assert self._listener is not None and self._pending is not None
         loop = asyncio.get_running_loop()
         while True:
             try:
-                sock, _ = await loop.sock_accept(self._listener)
+                sock, addr = await loop.sock_accept(self._listener)
             except asyncio.CancelledError:
                 raise
             except OSError as exc:  # e.g. out of file descriptors: keep serving once it passes
                 logger.warning("data plane accept failed: %r", exc)
                 await asyncio.sleep(0.5)
                 continue
-            task = loop.create_task(self._handshake(DataConn(sock)))
-            self._handshakes.add(task)
-            task.add_done_callback(self._handshakes.discard)
+            sock.setblocking(False)
+            task = loop.create_task(self._handshake(sock))
+            self._pending.add(task, str(addr[0]))  # may cancel the oldest pending handshakes to make room
+            task.add_done_callback(self._pending.done)
 
-    async def _handshake(self, conn: DataConn) -> None:
+    async def _handshake(self, sock: socket.socket) -> None:
+        """On the loop: the whole hello within the deadline, then the route's checks; only then a `DataConn`."""
         try:
-            hello, _ = await conn.recv_frame(pb.DataHello, max_payload=0, timeout=_HELLO_TIMEOUT_S)
+            hello = await read_hello(sock, deadline_s=self.limits.deadline_s)
         except WireError:
-            conn.close()
+            sock.close()
             return
-        except asyncio.CancelledError:
-            conn.close()
+        except asyncio.CancelledError:  # evicted to make room, or the plane is closing
+            sock.close()
             raise
-        listener = self._listeners.get(hello.token)
-        if listener is not None:
-            listener(conn, hello)
+        route = self._routes.get(hello.token)
+        problem = "unknown or used token" if route is None else (
+            hello_problem(hello, me=route.me, run_id=route.run_id, sender=route.sender,
+                          freshness_s=self.limits.freshness_s) or route.replay.admit(bytes(hello.nonce)))
+        if problem or route is None:
+            self.refused += 1
+            logger.debug("data plane refused a hello from %s: %s", hello.sender[-8:], problem)
+            sock.close()
             return
-        future = self._expected.pop(hello.token, None)
-        if future is None or future.done():
-            conn.close()  # unknown or reused token: not ours to serve
+        conn = DataConn(sock)
+        if route.listener is not None:
+            route.listener(conn, hello)
             return
-        future.set_result(conn)
+        self._routes.pop(hello.token, None)
+        if route.future is None or route.future.done():
+            conn.close()
+            return
+        route.future.set_result(conn)
 
     async def close(self) -> None:
-        for token in list(self._expected):
+        for token in list(self._routes):
             self.forget(token)
-        for task in [self._accepting, *self._handshakes]:
-            if task is not None:
-                task.cancel()
+        if self._pending is not None:
+            self._pending.cancel_all()
+        if self._accepting is not None:
+            self._accepting.cancel()
         if self._listener is not None:
             self._listener.close()
             self._listener = None
 
 
-async def connect(addrs: list[str], token: str, *, timeout: float = 3.0, sender: str = "",
-                  round_number: int = 0) -> DataConn | None:
-    """Open a data connection to the first reachable address; None when none is (use libp2p instead)."""
+async def connect(addrs: list[str], token: str, *, timeout: float = 3.0, sender: str = "", round_number: int = 0,
+                  identity: Identity | None = None, receiver: str = "", run_id: str = "") -> DataConn | None:
+    """Open a data connection to the first reachable address and send a hello, signed with `identity` and
+    addressed to `receiver` (a hello without `identity` is unsigned, and refused by every current listener).
+    None when no address takes it (use libp2p instead). Connect and hello run on the loop, each within
+    `timeout`; only IP literals are dialled (an address list is not trusted to make us resolve names)."""
     loop = asyncio.get_running_loop()
     for addr in addrs:
         host, _, port = addr.rpartition(":")
+        sock = None
         try:
-            sock = await loop.run_in_executor(
-                _IO, functools.partial(socket.create_connection, (host, int(port)), timeout)
-            )
-        except (OSError, ValueError) as exc:
-            logger.debug("data plane %s unreachable: %r", addr, exc)
+            ip = ipaddress.ip_address(host.strip("[]"))
+            sock = socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            async with asyncio.timeout(timeout):
+                await loop.sock_connect(sock, (str(ip), int(port)))
+                hello = signed_hello(identity, token=token, receiver=receiver, run_id=run_id,
+                                     round_number=round_number, sender=sender)
+                await loop.sock_sendall(sock, frame_prefix(hello, 0))
+        except (OSError, ValueError, TimeoutError) as exc:
+            if sock is not None:
+                sock.close()
+            logger.debug("data plane %s unreachable or refused the hello: %r", addr, exc)
             continue
-        conn = DataConn(sock)
-        try:
-            await conn.send_frame(pb.DataHello(token=token, sender=sender, round=round_number), timeout=timeout)
-            return conn
-        except WireError as exc:
-            conn.close()
-            logger.debug("data plane %s refused the hello: %r", addr, exc)
+        return DataConn(sock)
     return None

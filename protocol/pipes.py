@@ -2,8 +2,10 @@
 
 Each pair of contributors shares one connection, used in both directions: the member earlier in the plan dials the
 later one's TCP data plane, presenting the later one's round token (which only the group learnt, through the
-leader's authenticated plan); when that fails, it opens a libp2p stream to it instead. A pipe ends with a bye in
-each direction, so neither side closes while frames for the other are still in flight.
+leader's authenticated plan) in a hello signed with the dialer's peer key, so the listener knows who dialled and
+nobody who read the token off the path can pose as a member; when that fails, it opens a libp2p stream to it
+instead. A pipe ends with a bye in each direction, so neither side closes while frames for the other are still in
+flight.
 """
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ from typing import TypeVar
 from google.protobuf.message import Message
 
 from protocol import swarmloco_wire_pb2 as pb
+from protocol.data_hello import signer_of
 from protocol.data_plane import DataConn, DataPlane, connect
+from protocol.identity import Identity
 from protocol.plans import Endpoint
 from protocol.records import PROTOCOL_VERSION
 from protocol.transport import Transport
@@ -119,8 +123,9 @@ class ShardRouter:
     """Routes incoming shard connections (TCP hellos and libp2p streams) to the inbox of their round."""
 
     def __init__(self, transport: Transport, data_plane: DataPlane | None, *, max_group: int,
-                 control_timeout: float) -> None:
+                 control_timeout: float, identity: Identity | None = None) -> None:
         self.transport, self.data_plane = transport, data_plane
+        self.identity = identity or signer_of(transport)  # signs our TCP hellos; without one we dial libp2p only
         self.max_group, self.control_timeout = max_group, control_timeout
         self.handler_name = f"swarmloco/{transport.run_id}/shard/v{PROTOCOL_VERSION}"
         self._inboxes: dict[str, Inbox] = {}
@@ -132,7 +137,8 @@ class ShardRouter:
         inbox = Inbox(round_number, secrets.token_hex(16), max_pipes=self.max_group)
         self._inboxes[inbox.token] = inbox
         if self.data_plane is not None:
-            self.data_plane.listen(inbox.token, lambda conn, hello: self._on_tcp(inbox, conn, hello))
+            self.data_plane.listen(inbox.token, lambda conn, hello: self._on_tcp(inbox, conn, hello),
+                                   me=self.transport.peer_id, run_id=self.transport.run_id)
         return inbox
 
     def endpoint(self, inbox: Inbox) -> Endpoint:
@@ -145,6 +151,7 @@ class ShardRouter:
         inbox.close()
 
     def _on_tcp(self, inbox: Inbox, conn: DataConn, hello: pb.DataHello) -> None:
+        """A connection whose hello the data plane proved to be signed by `hello.sender`, to us, for this run."""
         if hello.round != inbox.round or not hello.sender:
             conn.close()
             return
@@ -167,9 +174,10 @@ class ShardRouter:
     async def dial(self, peer: str, endpoint: Endpoint, round_number: int, *, timeout: float,
                    use_tcp: bool) -> Pipe:
         """A pipe to a later member: its TCP data plane when reachable, else a libp2p stream. Raises WireError."""
-        if use_tcp and endpoint.addrs:
+        if use_tcp and endpoint.addrs and self.identity is not None:
             conn = await connect(list(endpoint.addrs), endpoint.token, timeout=min(3.0, timeout),
-                                 sender=self.transport.peer_id, round_number=round_number)
+                                 round_number=round_number, identity=self.identity, receiver=peer,
+                                 run_id=self.transport.run_id)
             if conn is not None:
                 return Pipe(peer, conn=conn)
         try:

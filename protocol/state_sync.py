@@ -131,7 +131,7 @@ class StateServer:
             leaves = await self._leaf_list(state)
             addrs: list[str] = []
             if self.data_plane is not None and (addrs := self._data_addrs()):
-                token, conn = self.data_plane.expect()
+                token, conn = self.data_plane.expect(me=self.node.peer_id, run_id=self.node.run_id, sender=caller)
             header = pb.StateHeader(ok=True, round=state.round, state_hash=state.state_hash,
                                     total_bytes=len(state.blob), leaf_bytes=LEAF_BYTES, data_addrs=addrs,
                                     data_token=token)

@@ -27,6 +27,7 @@ import torch
 from google.protobuf.message import Message
 
 from protocol import swarmloco_wire_pb2 as pb
+from protocol.data_hello import signer_of
 from protocol.data_plane import connect
 from protocol.hashing import DIGEST_BYTES, LEAF_BYTES, StateLayout, remember_leaves
 from protocol.records import PROTOCOL_VERSION
@@ -206,7 +207,8 @@ class Transfer:
             conn = None
             if header.data_addrs and header.data_token:
                 conn = await connect(list(header.data_addrs)[:MAX_DATA_ADDRS], header.data_token,
-                                     timeout=self.cfg.connect_timeout_s)
+                                     timeout=self.cfg.connect_timeout_s, identity=signer_of(self.node),
+                                     receiver=donor, run_id=self.node.run_id)
             channel = conn if conn is not None else StreamChannel(reader, writer)
             await self._pump(donor, channel)
         except _Busy:

@@ -193,7 +193,8 @@ def test_one_session_per_requester_and_a_trickling_reader_is_cut_at_the_chunk_de
 
     async def scenario() -> tuple[bool, bool, float, bool]:
         first, writer = await open_session()
-        conn = await connect(list(first.data_addrs), first.data_token, timeout=2)
+        conn = await connect(list(first.data_addrs), first.data_token, timeout=2,
+                             identity=joiner.credentials.identity, receiver=donor.peer_id, run_id=joiner.run_id)
         assert conn is not None
         second, w2 = await open_session()
         close_writer(w2)

@@ -75,7 +75,12 @@ def test_frames_over_the_caps_are_refused_before_allocation() -> None:
 
 
 def test_data_plane_accepts_only_offered_tokens_once() -> None:
+    from pathlib import Path
+
     from protocol.data_plane import DataPlane, connect, hosts_from_maddrs
+    from protocol.identity import Identity
+
+    me = Identity(path=Path("<memory>"), private_key=Identity.generate())
 
     assert hosts_from_maddrs(
         ["/ip4/0.0.0.0/tcp/1", "/ip4/10.0.0.2/tcp/5/p2p/x", "/ip6/::1/tcp/3", "/ip4/10.0.0.2/udp/4"]
@@ -86,11 +91,11 @@ def test_data_plane_accepts_only_offered_tokens_once() -> None:
         await plane.start()
         try:
             token, future = plane.expect()
-            stranger = await connect(plane.addrs, "not-a-token")
+            stranger = await connect(plane.addrs, "not-a-token", identity=me)
             assert stranger is not None  # the TCP connect works, but the leader drops it
             await stranger.read_eof(timeout=5)
             assert not future.done()
-            member = await connect(plane.addrs, token)
+            member = await connect(plane.addrs, token, identity=me)
             assert member is not None
             leader_side = await asyncio.wait_for(future, 5)
             payload = bytes(range(256)) * 4096  # 1 MiB, crosses many recv calls
@@ -100,12 +105,12 @@ def test_data_plane_accepts_only_offered_tokens_once() -> None:
             await leader_side.send_frame(pb.ShardResult(round=8), payload, timeout=5)
             with pytest.raises(WireError, match="cap is 100"):  # announced size checked before anything is read
                 await member.recv_frame(pb.ShardResult, max_payload=100, timeout=5)
-            replay = await connect(plane.addrs, token)  # a used token is worthless
+            replay = await connect(plane.addrs, token, identity=me)  # a used token is worthless
             assert replay is not None
             await replay.read_eof(timeout=5)
             assert await connect(["127.0.0.1:1"], token, timeout=1) is None
             token2, future2 = plane.expect()
-            silent = await connect(plane.addrs, token2)
+            silent = await connect(plane.addrs, token2, identity=me)
             assert silent is not None
             quiet_leader = await asyncio.wait_for(future2, 5)
             with pytest.raises(WireError, match="deadline|timed out"):  # nobody sends: the read gives up in time
