@@ -9,6 +9,7 @@ server-side failure answers 503 (retryable) rather than 500.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -37,8 +38,16 @@ Cursor = Annotated[int | None, Query(ge=0, le=2**63 - 1, description="`next_curs
 Order = Annotated[Literal["asc", "desc"], Query(description="Order by id")]
 
 
+class AsciiJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error message may quote a hostile string, and a lone surrogate in it
+    cannot be encoded as UTF-8 (the default rendering would fail with a 503 instead of the intended 4xx)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": message})
+    return AsciiJSONResponse(status_code=status, content={"error": message})
 
 
 async def _read_capped(request: Request, cap: int) -> bytes | None:
@@ -61,7 +70,8 @@ async def _read_capped(request: Request, cap: int) -> bytes | None:
 
 def create_app(service: CoordinatorService) -> FastAPI:
     """Build the ASGI app; ``service`` owns the store and policies."""
-    app = FastAPI(title="swarmloco coordinator", version="1", summary="Records swarm runs, peers, rounds, metrics.")
+    app = FastAPI(title="swarmloco coordinator", version="1", summary="Records swarm runs, peers, rounds, metrics.",
+                  default_response_class=AsciiJSONResponse)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -82,7 +92,7 @@ def create_app(service: CoordinatorService) -> FastAPI:
         client = request.client.host if request.client else "?"
         # SQLite fsync must not stall the event loop
         answer = await run_in_threadpool(service.ingest, raw, client=client)
-        return JSONResponse(status_code=answer.status, content=answer.body)
+        return AsciiJSONResponse(status_code=answer.status, content=answer.body)
 
     @app.get("/api/authority", summary="The run's authority: its peer id, which signs tickets, and the admission "
                                        "policy")
@@ -98,7 +108,7 @@ def create_app(service: CoordinatorService) -> FastAPI:
             return _error(413, f"ticket request larger than {MAX_REQUEST_BYTES} bytes")
         client = request.client.host if request.client else "?"
         answer = await run_in_threadpool(service.request_ticket, raw, client=client)
-        return JSONResponse(status_code=answer.status, content=answer.body)
+        return AsciiJSONResponse(status_code=answer.status, content=answer.body)
 
     @app.get("/api/revocations", summary="Peers revoked by the authority, as a list it signed (newest serial wins)")
     def get_revocations() -> dict[str, Any]:

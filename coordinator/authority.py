@@ -10,6 +10,7 @@ row) -> in ``open`` mode a peer holding no valid ticket spends a token of its ad
 """
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -24,7 +25,8 @@ from protocol.admission import AdmissionPolicy, Gate, Revocations, Ticket
 from protocol.identity import Identity
 from protocol.ticket_request import MAX_AGE_S, MAX_AHEAD_S, TicketRequestError, parse_ticket_request
 
-__all__ = ["HOSTILE_INPUT_ERRORS", "Answer", "Authority", "AuthorityConfig", "bad_input"]
+__all__ = ["HOSTILE_INPUT_ERRORS", "LONE_SURROGATE", "Answer", "Authority", "AuthorityConfig", "bad_input",
+           "valid_unicode"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,19 @@ def _refuse(status: int, message: str) -> Answer:
 # too large for a float, deep nesting, an unexpected type): the input is still bad, so the answer is still a 400.
 HOSTILE_INPUT_ERRORS: tuple[type[Exception], ...] = (ArithmeticError, ValueError, TypeError, KeyError,
                                                       RecursionError)
+
+
+LONE_SURROGATE = "strings must be valid Unicode: a lone surrogate escape (\\ud800-\\udfff) is refused"
+
+
+def valid_unicode(value: Any) -> bool:
+    """Whether every string in ``value`` encodes as UTF-8. JSON may carry a lone surrogate escape, which SQLite
+    and ``str.encode`` refuse deep inside the code that handles the request."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def bad_input(what: str, client: str, error: Exception) -> Answer:
@@ -120,6 +135,8 @@ class Authority:
             return _refuse(e.status, str(e))
         except HOSTILE_INPUT_ERRORS as e:
             return bad_input("ticket request", client, e)
+        if not valid_unicode(request.to_json()):
+            return _refuse(400, LONE_SURROGATE)
         late = request.clock_problem(now, max_age_s=MAX_AGE_S, max_ahead_s=self.max_future_s)
         if late:
             return _refuse(422, late)

@@ -207,8 +207,8 @@ class GuardedH11Protocol(H11Protocol):
         self._idle()
 
     def data_received(self, data: bytes) -> None:
-        if not self._admitted:
-            return  # refused or evicted: whatever it still sends is dropped
+        if not self._admitted or self.transport.is_closing():
+            return  # refused, evicted or already answered 400: whatever it still sends is dropped
         if not self._busy:
             self._busy = True
             self.guard.set_idle(self, False)

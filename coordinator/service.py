@@ -24,7 +24,15 @@ from typing import Any
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import generate_latest
 
-from coordinator.authority import HOSTILE_INPUT_ERRORS, Answer, Authority, AuthorityConfig, bad_input
+from coordinator.authority import (
+    HOSTILE_INPUT_ERRORS,
+    LONE_SURROGATE,
+    Answer,
+    Authority,
+    AuthorityConfig,
+    bad_input,
+    valid_unicode,
+)
 from coordinator.limits import RateLimiter
 from coordinator.store import Page, Store
 from protocol.certificates import Certificate
@@ -111,6 +119,8 @@ class CoordinatorService:
         except HOSTILE_INPUT_ERRORS as e:  # a gap in the validator: still the sender's fault, still a 400
             return bad_input("report", client, e)
         envelope = report.to_json()
+        if not valid_unicode(envelope):
+            return Answer(status=400, body={"error": LONE_SURROGATE})
         digest = content_hash(envelope)
         known = self.store.find_report(report.peer_id, report.nonce)
         if known is not None:

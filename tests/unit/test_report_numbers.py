@@ -5,11 +5,16 @@ coordinator answered with 503 and two tracebacks."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 from _coordinator_helpers import hello_body, make_identities, metrics_body, round_body
 
+import coordinator.authority
+import coordinator.service
+from coordinator.service import CoordinatorService, ServiceConfig
+from coordinator.store import SQLiteStore
 from protocol.identity import Identity
 from protocol.reports import BODY_SCHEMAS, ReportError, build_report, canonical_bytes, parse_report, validate_body
 from protocol.ticket_request import TicketRequestError, build_ticket_request, parse_ticket_request
@@ -95,3 +100,21 @@ def test_in_range_numbers_still_pass(ident: Identity) -> None:
     envelope["signature"] = ident.sign(canonical_bytes(envelope)).hex()
     with pytest.raises(ReportError, match="canonical JSON type"):
         parse_report(json.dumps(envelope).encode())
+
+
+@pytest.mark.parametrize("error", [OverflowError("int too large"), RecursionError("deep"), TypeError("x"),
+                                   KeyError("k"), UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad")])
+def test_a_gap_in_a_parser_is_still_a_400_with_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture, error: Exception) -> None:
+    # whatever the validators miss, bytes from a client that crash a parser are the client's fault: 400, not 503
+    service = CoordinatorService(SQLiteStore(tmp_path / "db.sqlite"), ServiceConfig(run_id="run"))
+
+    def choke(*_: Any, **__: Any) -> Any:
+        raise error
+
+    monkeypatch.setattr(coordinator.service, "parse_report", choke)
+    monkeypatch.setattr(coordinator.authority, "parse_ticket_request", choke)
+    for answer in (service.ingest(b"{}", client="10.0.0.1"), service.request_ticket(b"{}", client="10.0.0.1")):
+        assert answer.status == 400 and type(error).__name__ in answer.body["error"], answer
+    assert [r.exc_info for r in caplog.records] == [None, None]  # one line each, no traceback
+    service.store.close()
