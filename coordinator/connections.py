@@ -236,6 +236,11 @@ class GuardedH11Protocol(H11Protocol):
     def timeout_keep_alive_handler(self) -> None:
         self.close_now()
 
+    def _should_upgrade(self) -> bool:
+        # No endpoint speaks WebSocket, and an upgrade would hand the transport to a protocol the guard does not
+        # see; uvicorn would also log two warnings per upgrade request. Serve it as plain HTTP instead.
+        return False
+
     # -- timers ----------------------------------------------------------------------------------------------
 
     def _idle(self) -> None:

@@ -97,7 +97,7 @@ class CoordinatorServer:
         # limit_concurrency would count idle connections and answer real requests 503.
         self.connections = ConnectionGuard.for_process(config.connections)
         self._server = uvicorn.Server(uvicorn.Config(
-            create_app(self.service), http=guarded_protocol(self.connections), log_level="warning",
+            create_app(self.service), http=guarded_protocol(self.connections), ws="none", log_level="warning",
             access_log=False, timeout_keep_alive=max(1, round(config.connections.idle_timeout_s)),
             limit_concurrency=None, h11_max_incomplete_event_size=config.connections.max_header_bytes,
             timeout_graceful_shutdown=3))

@@ -159,6 +159,11 @@ def test_lying_or_huge_framing_is_a_4xx(server: CoordinatorServer, logs: Capture
     for what, data in cases.items():
         status = raw_exchange(server, data)
         check(logs, what, status or 400)  # closing without an answer is fine too: nothing to retry
+    for upgrade in (b"websocket", b"h2c"):  # served as plain HTTP, without a warning per request
+        status = raw_exchange(server, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: "
+                              + upgrade + b"\r\n\r\n")
+        assert not logs.records, [r.getMessage() for r in logs.records]
+        check(logs, upgrade.decode(), status, ok=(200,))
 
 
 def test_listing_parameters_out_of_range_are_a_4xx(server: CoordinatorServer, logs: Captured) -> None:
