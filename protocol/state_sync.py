@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,6 +27,7 @@ from protocol.state_transfer import (
     ServeLimits,
     StateSyncError,
     StreamChannel,
+    TooSlow,
     Transfer,
     serve_chunks,
     state_handler,
@@ -53,6 +56,7 @@ class ServeStats:
     sessions: int = 0
     peak_sessions: int = 0
     busy: int = 0
+    penalized: int = 0  # sessions refused because the requester read too slowly before
     chunks: int = 0
     via_data_plane: int = 0
 
@@ -75,6 +79,7 @@ class StateServer:
         self.hooks = hooks or Hooks()
         self.stats = ServeStats()
         self._open: dict[str, int] = {}  # requester -> sessions it holds now
+        self._slow: OrderedDict[str, float] = OrderedDict()  # requester -> until when it gets no session
         self._leaves: tuple[ServedState, asyncio.Future[tuple[bytes, ...]]] | None = None
 
     async def register(self) -> None:
@@ -113,10 +118,28 @@ class StateServer:
         finally:
             close_writer(writer)
 
+    def _penalized_for(self, caller: str) -> float:
+        """Seconds `caller` must still wait after a session it let miss a chunk deadline (0: none)."""
+        now = time.monotonic()
+        while self._slow and next(iter(self._slow.values())) <= now:  # oldest first: they also expire first
+            self._slow.popitem(last=False)
+        return max(0.0, self._slow.get(caller, now) - now)
+
+    def _penalize(self, caller: str) -> None:
+        self._slow.pop(caller, None)
+        self._slow[caller] = time.monotonic() + self.limits.penalty_s
+        while len(self._slow) > self.limits.max_penalized:
+            self._slow.popitem(last=False)
+
     async def _session(self, caller: str, state: ServedState, reader: asyncio.StreamReader,
                        writer: asyncio.StreamWriter) -> None:
         control, stats = self.control_timeout_s, self.stats
         held = self._open.get(caller, 0)
+        if (wait := self._penalized_for(caller)) > 0:
+            stats.penalized += 1
+            await write_frame(writer, pb.StateHeader(ok=False, message=f"too slow on its last download from us: "
+                                                     f"ask again in {wait:.0f}s"), timeout=control)
+            return
         if sum(self._open.values()) >= self.limits.sessions or held >= self.limits.per_requester:
             stats.busy += 1
             await write_frame(writer, pb.StateHeader(ok=False, busy=True, message="busy: too many downloads"),
@@ -138,8 +161,12 @@ class StateServer:
             await write_frame(writer, header, b"".join(leaves), timeout=control)
             channel, first = await self._channel(reader, writer, conn)
             blob = memoryview(self.hooks.served_state(state.blob)).cast("B")
-            sent = await serve_chunks(channel, blob, first, limits=self.limits, on_chunk=self._on_chunk)
-            stats.chunks += sent
+            try:
+                stats.chunks += await serve_chunks(channel, blob, first, limits=self.limits, on_chunk=self._on_chunk)
+            except TooSlow:
+                if self.limits.penalty_s > 0:
+                    self._penalize(caller)
+                raise
         finally:
             if token and self.data_plane is not None:
                 self.data_plane.forget(token)

@@ -66,6 +66,24 @@ class ServeLimits:
     chunk_timeout_s: float = 20.0  # to send one whole chunk: a per-chunk deadline, not a per-read one
     idle_timeout_s: float = 10.0  # for the joiner's next request (or its TCP connection)
     session_timeout_s: float = 600.0
+    # A requester whose session missed a chunk deadline gets no session for this long: a slow reader that simply
+    # reconnects would otherwise win back its slot before any joiner waiting behind "busy" tries again.
+    penalty_s: float = 60.0
+    max_penalized: int = 4096  # requesters remembered as too slow (the oldest is forgotten first)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.per_requester <= self.sessions <= 1024:
+            raise ValueError(f"need 1 <= per_requester ({self.per_requester}) <= sessions ({self.sessions}) <= 1024")
+        for name in ("chunk_timeout_s", "idle_timeout_s", "session_timeout_s"):
+            if not 0.05 <= getattr(self, name) <= 86400.0:
+                raise ValueError(f"{name} must be in [0.05, 86400] s, got {getattr(self, name)}")
+        if not 0.0 <= self.penalty_s <= 86400.0 or not 1 <= self.max_penalized <= 1 << 20:
+            raise ValueError(f"penalty_s must be in [0, 86400] s (got {self.penalty_s}) and max_penalized in "
+                             f"[1, {1 << 20}] (got {self.max_penalized})")
+
+
+class TooSlow(WireError):
+    """The joiner did not take a whole chunk within the chunk deadline."""
 
 
 @dataclass(frozen=True)
@@ -128,7 +146,13 @@ async def serve_chunks(channel: Channel, blob: memoryview, first: pb.StateChunkR
             return sent
         start = req.index * LEAF_BYTES
         view = await on_chunk(req.index, blob[start : start + LEAF_BYTES])
-        await channel.send_frame(pb.StateChunk(index=req.index, ok=True), view, timeout=limits.chunk_timeout_s)
+        began = time.monotonic()
+        try:
+            await channel.send_frame(pb.StateChunk(index=req.index, ok=True), view, timeout=limits.chunk_timeout_s)
+        except WireError as exc:
+            if time.monotonic() - began >= 0.9 * limits.chunk_timeout_s:  # not a hang-up: it read too slowly
+                raise TooSlow(f"chunk {req.index} not taken within {limits.chunk_timeout_s:.3g}s") from exc
+            raise
         sent, req = sent + 1, None
 
 

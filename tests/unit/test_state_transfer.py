@@ -171,7 +171,7 @@ def test_crowd_of_joiners_is_bounded_and_told_busy(net: FakeNetwork) -> None:
 
 def test_one_session_per_requester_and_a_trickling_reader_is_cut_at_the_chunk_deadline(net: FakeNetwork) -> None:
     """A reader that drains 64 KiB every 0.1 s keeps every read alive; only a deadline per chunk ends it."""
-    limits = ServeLimits(sessions=4, per_requester=1, chunk_timeout_s=0.5, idle_timeout_s=5.0)
+    limits = ServeLimits(sessions=4, per_requester=1, chunk_timeout_s=0.5, idle_timeout_s=5.0, penalty_s=0.0)
     donor, server = _donor(net, limits=limits)
     joiner = net.peer()
 
