@@ -315,7 +315,8 @@ class SwarmSync:
 
         result: RoundResult = self.averager.run_round(group, contribution, apply=apply,
                                                       rollback=lambda: r.restore(before[-1]))
-        entry.update(outcome=result.outcome, leader=result.leader, members=result.members, role=result.role)
+        entry.update(outcome=result.outcome, leader=result.leader, members=result.members, role=result.role,
+                     cheaters=result.cheaters or None)  # peers proven to have cheated, banned from now on
         if result.outcome == Outcome.DISCARDED:
             self.node.update_record(ready=False)
             self.log_round({**entry, "reason": result.reason})
@@ -332,9 +333,8 @@ class SwarmSync:
             average_s=round_float(result.seconds),
             certify_s=round_float(result.certify_s),  # of average_s: votes and the certificate
             exchange_s=round_float(marks[1] - marks[0]) if len(marks) == 3 else None,  # until the average is here
-            pipes=result.pipes,  # shard connections to the other contributors
-            direct=result.direct,  # of those, on the TCP data plane
-            bytes_sent=result.bytes_sent,
+            pipes=result.pipes, direct=result.direct,  # shard connections to the others; of those, on TCP
+            bytes_sent=result.bytes_sent, audit_s=round_float(result.audit_s),  # (audit: of average_s)
         )
         if result.outcome == Outcome.MISMATCH:
             # We rolled back; the certified state is the one the others reached.

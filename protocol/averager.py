@@ -73,6 +73,8 @@ class RoundResult:
     seconds: float = 0.0
     certify_s: float = 0.0  # of `seconds`: signing the statement, gathering votes, sending the certificate
     certificate: Certificate | None = None  # committed (or, on a mismatch, the state to re-sync to)
+    cheaters: dict[str, str] = field(default_factory=dict)  # peers proven to have cheated (now banned), evidence
+    audit_s: float = 0.0  # of `seconds`: the audit of every reduced shard
 
 
 class Averager:
@@ -171,14 +173,16 @@ class Averager:
                 outcome, group.round, group.leader, role, list(reduced.members), list(weights), plan.excluded,
                 statement.new_hash, certificate.statement.new_hash if certificate is not None else "", reason=reason,
                 bytes_sent=reduced.sent, bytes_received=reduced.received, direct=reduced.direct,
-                pipes=len(reduced.pipes), certify_s=time.monotonic() - certify_started, certificate=certificate)
+                pipes=len(reduced.pipes), certify_s=time.monotonic() - certify_started, certificate=certificate,
+                audit_s=reduced.audit_s)
         except Exception as exc:  # noqa: BLE001 - whatever ends the round early, nothing uncertified is kept
             if not isinstance(exc, (RoundAborted, concurrent.futures.TimeoutError, TimeoutError)):
                 logger.exception("round %d failed unexpectedly; discarding it", group.round)
             reason = str(exc) or f"{type(exc).__name__} after {time.monotonic() - started:.1f}s"
             self.transport.submit(steps.abort(group, reason))
             result = RoundResult(Outcome.DISCARDED, group.round, group.leader, role, list(group.members),
-                                 reason=reason, blame=exc.blame if isinstance(exc, RoundAborted) else "")
+                                 reason=reason, blame=exc.blame if isinstance(exc, RoundAborted) else "",
+                                 cheaters=exc.cheaters if isinstance(exc, RoundAborted) else {})
         finally:
             if applied and (result is None or result.outcome != Outcome.COMMITTED):
                 rollback()
@@ -186,10 +190,25 @@ class Averager:
             # the state, so it would lead every retry); one whose round another member lost is not to blame.
             if not group.is_leader and result is not None and result.blame == group.leader:
                 self._skip_leader(group.leader, result.reason)
+            if result is not None:
+                self._judge(group, result)
         if result.outcome == Outcome.COMMITTED and result.certificate is not None:
             self.set_state(Head.of(result.certificate))
         result.seconds = time.monotonic() - started
         return result
+
+    def _judge(self, group: Group, result: RoundResult) -> None:
+        """Ban whoever was proven to cheat; a leader leaves out of its next plans a member that cost it the round
+        (so a peer that stalls the exchange costs one round, not every round)."""
+        steps, matchmaker = self.steps, self.matchmaker
+        if steps is None or matchmaker is None:
+            return
+        for peer, why in result.cheaters.items():
+            if peer != self.transport.peer_id:
+                steps.ban(peer, why)
+                self.transport.loop.call_soon_threadsafe(matchmaker.banned.__setitem__, peer, why[:300])
+        if group.is_leader and result.blame and result.blame != group.me and result.blame not in result.cheaters:
+            steps.suspend(result.blame, group.round, result.reason)
 
     def _skip_leader(self, leader: str, why: str) -> None:
         matchmaker = self.matchmaker

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from google.protobuf.message import Message
 
 from protocol import swarmloco_wire_pb2 as pb
-from protocol.plans import Endpoint, endpoint_ok
-from protocol.rounds import check_contribution
+from protocol.payloads import claim_body, signed
+from protocol.plans import Endpoint, Plan, endpoint_ok
+from protocol.rounds import RoundConfig, check_contribution, token_weights
 from protocol.wire import WireError, close_writer, frame_bytes, read_frame, write_frame
 
 logger = logging.getLogger(__name__)
@@ -44,12 +46,32 @@ class Link:
 
 @dataclass(frozen=True)
 class Claim:
-    """What a contributor brings to a round, as its leader admitted it."""
+    """What a contributor brings to a round, as its leader admitted it: the signed claim itself, and what follows
+    from it."""
 
     tokens: int
-    staleness: int
+    staleness: int  # rounds between the certified state the Δ was computed from and this round's
     endpoint: Endpoint
     bandwidth: float
+    signed: pb.Contribution = field(default_factory=pb.Contribution)
+
+    @classmethod
+    def of(cls, header: pb.Contribution) -> Claim:
+        return cls(int(header.tokens), int(header.round - header.base_round),
+                   Endpoint(tuple(header.data_addrs), header.data_token), float(header.bandwidth), header)
+
+
+@dataclass(frozen=True)
+class ClaimContext:
+    """What every claim of one group must say: who signs it is checked against the peer it came from."""
+
+    run_id: str
+    round: int
+    prev_hash: str
+    leader: str
+    codec: str
+    numel: int
+    max_staleness: int
 
 
 @dataclass
@@ -60,23 +82,51 @@ class Claims:
     excluded: dict[str, str] = field(default_factory=dict)
 
 
-def claim_problem(header: pb.Contribution, *, codec: str, numel: int, max_staleness: int) -> str:
-    """Why a member's claim is refused ("" when it is admissible)."""
+def claim_problem(header: pb.Contribution, *, peer: str, ctx: ClaimContext) -> str:
+    """Why `peer`'s claim is refused ("" when it is admissible): it must be signed by `peer`, for this group, with
+    a well-formed endpoint and a base state at most `max_staleness` rounds old."""
+    if header.round != ctx.round or header.prev_hash != ctx.prev_hash or header.leader != ctx.leader:
+        return f"claim is for round {header.round} of another group"
+    if not header.base_round <= header.round:
+        return f"base round {header.base_round} is after round {header.round}"
     problem = check_contribution(codec=header.codec, numel=header.numel, tokens=header.tokens,
-                                 staleness=header.staleness, expect_codec=codec, expect_numel=numel,
-                                 max_staleness=max_staleness)
+                                 staleness=header.round - header.base_round, expect_codec=ctx.codec,
+                                 expect_numel=ctx.numel, max_staleness=ctx.max_staleness)
     if problem:
         return problem
     if not endpoint_ok(Endpoint(tuple(header.data_addrs), header.data_token)):
         return "malformed shard endpoint"
     if not 0 <= header.bandwidth < float("inf"):
         return f"bandwidth {header.bandwidth} is not a finite non-negative number"
+    if len(header.audit_commit) != 64 or len(header.base_hash) > 64:
+        return "malformed audit commitment or base hash"
+    if not signed(peer, claim_body(ctx.run_id, header), bytes(header.signature)):
+        return "claim is not signed by its sender"
     return ""
 
 
-async def collect_claims(links: dict[str, Link], *, codec: str, numel: int, max_staleness: int,
-                         timeout: float) -> Claims:
-    """Every member's claim in parallel; a member silent after `timeout` is excluded."""
+def plan_claims_problem(plan: Plan, *, ctx: ClaimContext, cfg: RoundConfig) -> str:
+    """Why a plan's contributors, weights and endpoints are not what their signed claims say ("" when they are):
+    a member re-derives all three rather than take the leader's word for them."""
+    if len(plan.claims) != len(plan.members):
+        return "plan does not carry one signed claim per contributor"
+    for peer, claim, endpoint in zip(plan.members, plan.claims, plan.endpoints, strict=True):
+        problem = claim_problem(claim, peer=peer, ctx=ctx)
+        if problem:
+            return f"claim of {peer[-8:]}: {problem}"
+        if Endpoint(tuple(claim.data_addrs), claim.data_token) != endpoint:
+            return f"plan gives {peer[-8:]} another endpoint than it claimed"
+    claims = {p: (Claim.of(c).tokens, Claim.of(c).staleness) for p, c in zip(plan.members, plan.claims, strict=True)}
+    weights = token_weights(claims, cfg=cfg)
+    if tuple(weights[p] for p in plan.members) != plan.weights:
+        return "plan's weights are not those its signed claims give"
+    return ""
+
+
+async def collect_claims(links: dict[str, Link], *, ctx: ClaimContext, timeout: float,
+                         base_known: Callable[[int, str], bool]) -> Claims:
+    """Every member's claim in parallel; a member silent after `timeout` is excluded, and so is one whose Δ is
+    based on a state we cannot tell is certified (`base_known(round, hash)`)."""
     into = Claims()
 
     async def one(link: Link) -> None:
@@ -85,12 +135,13 @@ async def collect_claims(links: dict[str, Link], *, codec: str, numel: int, max_
         except WireError as exc:
             into.excluded[link.peer] = f"no contribution: {exc}"
             return
-        problem = claim_problem(header, codec=codec, numel=numel, max_staleness=max_staleness)
+        problem = claim_problem(header, peer=link.peer, ctx=ctx)
+        if not problem and not base_known(int(header.base_round), header.base_hash):
+            problem = f"its Δ is based on round {header.base_round}, a state we do not know as certified"
         if problem:
             into.excluded[link.peer] = problem
             return
-        into.admitted[link.peer] = Claim(int(header.tokens), int(header.staleness),
-                                         Endpoint(tuple(header.data_addrs), header.data_token), float(header.bandwidth))
+        into.admitted[link.peer] = Claim.of(header)
 
     await asyncio.gather(*(one(link) for link in links.values()))
     return into

@@ -15,11 +15,13 @@ MAX_REFUSAL_CONFIG = 8192  # bytes of a refused peer's config we are willing to 
 
 class RoundAborted(RuntimeError):
     """The round was discarded; nothing was applied. The message says why; `blame` names the peer whose failure
-    ended it, when one did (a member skips a leader it blames for the next rounds)."""
+    ended it, when one did (a member skips a leader it blames for the next rounds); `cheaters` the peers proven to
+    have cheated, with the evidence in words (they are banned for the run)."""
 
-    def __init__(self, message: str, *, blame: str = "") -> None:
+    def __init__(self, message: str, *, blame: str = "", cheaters: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.blame = blame
+        self.cheaters = dict(cheaters or {})
 
 
 @dataclass

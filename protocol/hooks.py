@@ -27,6 +27,14 @@ class Hooks:
     def before_commit(self, round_number: int) -> None:
         """The leader holds the average; nobody has the result yet."""
 
+    def reduced_shard(self, round_number: int, shard: int, reduced: torch.Tensor) -> torch.Tensor:
+        """The shard this peer reduced, before it is signed and sent to every member."""
+        return reduced
+
+    def shard_result(self, round_number: int, shard: int, peer: str, reduced: torch.Tensor) -> torch.Tensor:
+        """What this peer sends `peer` as its reduced shard (returning another tensor: a signed variant)."""
+        return reduced
+
     def served_state(self, blob: bytes) -> bytes:
         """The state blob a donor is about to send to a downloader."""
         return blob

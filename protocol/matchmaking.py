@@ -115,6 +115,7 @@ class Matchmaker:
         # Leaders that accepted us and then never closed the group: skipped across rounds for a while. The leader
         # order only changes with the state, so without this one stalling leader would hold every retry.
         self._stalled: dict[str, float] = {}
+        self.banned: dict[str, str] = {}  # peers proven to have cheated: never our leader, never in our group
 
     def skip_leader(self, leader: str, why: str) -> None:
         """Skip `leader` for a few round timeouts: it took us in, and the round ended uncertified (on the loop)."""
@@ -179,7 +180,8 @@ class Matchmaker:
         now = time.monotonic()
         attempt.skip = {p: t for p, t in attempt.skip.items() if t > now}
         self._stalled = {p: t for p, t in self._stalled.items() if t > now}
-        candidates = [p for p, r in here.items() if r.ready and p not in attempt.skip and p not in self._stalled]
+        candidates = [p for p, r in here.items()
+                      if r.ready and p not in attempt.skip and p not in self._stalled and p not in self.banned]
         members = len(self._collect.members) if self._collect is not None else 0
         me = self.transport.peer_id
         leader = pick_leader(me, members, candidates, needed=need(attempt.swarm, self.cfg.quorum),
@@ -360,7 +362,8 @@ class Matchmaker:
                 closed=collect.closed if collect is not None else False,
                 size=len(collect.members) if collect is not None else 0,
                 max_group=self.cfg.max_group,
-                not_admitted=self.gate.check(request.ticket, caller, role="trainer"),
+                not_admitted=self.gate.check(request.ticket, caller, role="trainer") or (
+                    f"banned from our groups: {self.banned[caller]}" if caller in self.banned else ""),
             )
             accepted = collect is not None and status == pb.JoinReply.ACCEPTED
             if accepted:

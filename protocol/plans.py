@@ -42,6 +42,8 @@ class Plan:
     swarm: int
     work: int
     excluded: dict[str, str] = field(default_factory=dict)
+    claims: tuple[pb.Contribution, ...] = ()  # each contributor's signed claim, same order
+    signature: bytes = b""  # the leader's, of the plan's digest
 
     def shard(self, i: int) -> slice:
         return slice(self.bounds[i], self.bounds[i + 1])
@@ -55,7 +57,8 @@ class Plan:
             ok=True, round=self.round, members=self.members, weights=self.weights, bounds=self.bounds,
             endpoints=[pb.Endpoint(addrs=e.addrs, token=e.token) for e in self.endpoints],
             excluded=list(self.excluded), excluded_reasons=list(self.excluded.values()), codec=self.codec,
-            numel=self.numel, prev_hash=self.prev_hash, swarm=self.swarm, work=self.work,
+            numel=self.numel, prev_hash=self.prev_hash, swarm=self.swarm, work=self.work, claims=self.claims,
+            signature=self.signature,
         )
 
     @classmethod
@@ -65,7 +68,8 @@ class Plan:
             bounds=tuple(int(b) for b in msg.bounds),
             endpoints=tuple(Endpoint(tuple(e.addrs), e.token) for e in msg.endpoints), codec=msg.codec,
             numel=int(msg.numel), prev_hash=msg.prev_hash, swarm=int(msg.swarm), work=int(msg.work),
-            excluded=dict(zip(msg.excluded, msg.excluded_reasons, strict=False)),
+            excluded=dict(zip(msg.excluded, msg.excluded_reasons, strict=False)), claims=tuple(msg.claims),
+            signature=bytes(msg.signature),
         )
 
 

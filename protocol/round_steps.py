@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import secrets
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -22,17 +24,22 @@ from protocol.admission import Credentials
 from protocol.certificates import Certificate, Head, Statement, need, refusal_to_sign, signed_by
 from protocol.chain import Chain
 from protocol.codecs import Codec
-from protocol.exchange import Claim, Link, broadcast, collect_claims
+from protocol.exchange import Claim, ClaimContext, Link, broadcast, collect_claims, plan_claims_problem
 from protocol.groups import Group, RoundAborted
 from protocol.hooks import Hooks
+from protocol.payloads import NONCE_BYTES, claim_body, commitment, plan_body, plan_digest, signed
 from protocol.pipes import ShardRouter
 from protocol.plans import Endpoint, Plan, bandwidth_shares, plan_problem, shard_bounds
 from protocol.rounds import Deadlines, LocalModel, RoundConfig, token_weights
-from protocol.shards import Reduced, ShardTimeouts, reduce_shards
+from protocol.shards import Reduced, ShardTimeouts, Signing, reduce_shards
 from protocol.transport import Transport
 from protocol.wire import WireError
 
 logger = logging.getLogger(__name__)
+
+
+SUSPEND_ROUNDS = 3  # a member that cost us a round (it stalled, or vanished mid-exchange) sits out this many
+HISTORY = 16  # certified (round, hash) pairs we remember, to check the base state of a stale Δ
 
 
 class RoundSteps:
@@ -43,26 +50,50 @@ class RoundSteps:
         self.use_tcp = use_tcp
         self.deadlines = Deadlines.of(cfg)
         self.bandwidth = 0.0  # bytes/s our uplink moved in the last exchange: sizes our next shard
+        self.banned: dict[str, str] = {}  # peer -> the evidence it cheated: never in a plan of ours again
+        self.suspended: dict[str, int] = {}  # peer -> the round until which a plan of ours leaves it out
+        self.history: dict[int, str] = {}  # round -> the certified state's hash we held at that round
+
+    def ban(self, peer: str, why: str) -> None:
+        if peer not in self.banned:
+            logger.warning("banning %s for the rest of the run: %s", peer[-8:], why[:300])
+        self.banned[peer] = why[:300]
+
+    def suspend(self, peer: str, round_number: int, why: str) -> None:
+        logger.info("leaving %s out of our plans until round %d: %s", peer[-8:], round_number + SUSPEND_ROUNDS,
+                    why[:200])
+        self.suspended[peer] = round_number + SUSPEND_ROUNDS
+
+    def _base_known(self, prev: Head) -> Callable[[int, str], bool]:
+        return lambda r, h: (r == prev.round and h == prev.state_hash) or (r < prev.round and self.history.get(r) == h)
 
     # --- exchange -------------------------------------------------------------------------------------------------
     async def exchange(self, group: Group, delta: torch.Tensor, tokens: int, staleness: int,
                        prev: Head) -> tuple[Plan, Reduced]:
         d = self.deadlines
+        self.history[prev.round] = prev.state_hash
+        for old in [r for r in self.history if r < prev.round - HISTORY]:
+            del self.history[old]
         inbox = self.router.open(group.round)
+        nonce = secrets.token_bytes(NONCE_BYTES)
 
         def after_parts() -> None:
             if not group.is_leader:
                 self.hooks.after_send(group.round)
 
         try:
-            endpoint = self.router.endpoint(inbox)
+            claim = self._claim(group, tokens, staleness, prev, self.router.endpoint(inbox), commitment(nonce))
             if group.is_leader:
-                plan = await self._plan(group, tokens, staleness, prev, endpoint)
+                plan = await self._plan(group, claim, prev)
             else:
-                plan = await self._receive_plan(group, tokens, staleness, prev, endpoint, delta.numel())
+                plan = await self._receive_plan(group, claim, prev)
+            signing = Signing(run_id=self.transport.run_id, identity=self.credentials.identity, leader=group.leader,
+                              plan_id=plan_digest(plan.to_pb()), plan_signature=plan.signature, rule=self.cfg.rule,
+                              probes=self.cfg.audit_probes, nonce=nonce,
+                              commits=tuple(c.audit_commit for c in plan.claims), hooks=self.hooks)
             reduced = await reduce_shards(plan, delta, me=group.me, codec=self.codec, router=self.router,
                                           inbox=inbox, timeouts=ShardTimeouts(connect=d.control, transfer=d.transfer),
-                                          use_tcp=self.use_tcp, after_parts=after_parts,
+                                          use_tcp=self.use_tcp, after_parts=after_parts, signing=signing,
                                           settle=functools.partial(self._settle, group, plan))
         except BaseException:
             if not group.is_leader:  # a leader releases its members only after telling them (`abort`)
@@ -74,37 +105,54 @@ class RoundSteps:
             self.bandwidth = reduced.parts_sent / reduced.send_s
         return plan, reduced
 
-    async def _plan(self, group: Group, tokens: int, staleness: int, prev: Head, endpoint: Endpoint) -> Plan:
+    def _claim(self, group: Group, tokens: int, staleness: int, prev: Head, endpoint: Endpoint,
+               commit: str) -> pb.Contribution:
+        base = max(0, group.round - staleness)
+        claim = pb.Contribution(
+            tokens=tokens, codec=self.codec.name, numel=self.model.numel, data_addrs=endpoint.addrs,
+            data_token=endpoint.token, bandwidth=self.bandwidth, round=group.round, prev_hash=prev.state_hash,
+            leader=group.leader, base_round=base, base_hash=self.history.get(base, prev.state_hash),
+            audit_commit=commit)
+        claim.signature = self.credentials.identity.sign(claim_body(self.transport.run_id, claim))
+        return claim
+
+    def _context(self, group: Group, prev: Head) -> ClaimContext:
+        return ClaimContext(run_id=self.transport.run_id, round=group.round, prev_hash=prev.state_hash,
+                            leader=group.leader, codec=self.codec.name, numel=self.model.numel,
+                            max_staleness=self.cfg.max_staleness)
+
+    async def _plan(self, group: Group, own: pb.Contribution, prev: Head) -> Plan:
         d, me = self.deadlines, group.me
-        claims = await collect_claims(group.links, codec=self.codec.name, numel=self.model.numel,
-                                      max_staleness=self.cfg.max_staleness, timeout=d.control)
-        claims.admitted[me] = Claim(tokens, staleness, endpoint, self.bandwidth)
-        exact = token_weights({p: (c.tokens, c.staleness) for p, c in claims.admitted.items()}, leader=me,
-                              cfg=self.cfg)
-        for peer, claim in claims.admitted.items():
-            if claim.tokens > self.cfg.weight_cap_factor * max(tokens, 1):
-                logger.warning("capping %s's claimed %d tokens at %.0f× ours", peer[-8:], claim.tokens,
-                               self.cfg.weight_cap_factor)
-        members = tuple(sorted(exact))
-        weights = tuple(max(1, round(exact[p])) for p in members)
+        claims = await collect_claims(group.links, ctx=self._context(group, prev), timeout=d.control,
+                                      base_known=self._base_known(prev))
+        claims.admitted[me] = Claim.of(own)
+        self.suspended = {p: until for p, until in self.suspended.items() if until > group.round}
+        for peer in list(claims.admitted):
+            why = self.banned.get(peer) or (f"it stalled or vanished in a recent round (left out until round "
+                                            f"{self.suspended[peer]})" if peer in self.suspended else "")
+            if why and peer != me:
+                del claims.admitted[peer]
+                claims.excluded[peer] = f"left out: {why}"
+        weights = token_weights({p: (c.tokens, c.staleness) for p, c in claims.admitted.items()}, cfg=self.cfg)
+        members = tuple(sorted(weights))
         if len(members) < need(group.swarm, self.cfg.quorum):
             raise RoundAborted(f"only {len(members)} of the group contributed; a certificate needs "
                                f"{need(group.swarm, self.cfg.quorum)}: {claims.excluded}")
         bounds = shard_bounds(self.model.numel, bandwidth_shares([claims.admitted[p].bandwidth for p in members]))
-        plan = Plan(round=group.round, members=members, weights=weights, bounds=bounds,
+        plan = Plan(round=group.round, members=members, weights=tuple(weights[p] for p in members), bounds=bounds,
                     endpoints=tuple(claims.admitted[p].endpoint for p in members), codec=self.codec.name,
                     numel=self.model.numel, prev_hash=prev.state_hash, swarm=group.swarm,
-                    work=prev.work + sum(weights), excluded=claims.excluded)
+                    work=prev.work + sum(weights.values()), excluded=claims.excluded,
+                    claims=tuple(claims.admitted[p].signed for p in members))
+        body = plan_body(self.transport.run_id, plan.round, plan_digest(plan.to_pb()))
+        plan = replace(plan, signature=self.credentials.identity.sign(body))
         await broadcast(group.links, plan.to_pb(), timeout=d.control)
         group.stage = "planned"
         return plan
 
-    async def _receive_plan(self, group: Group, tokens: int, staleness: int, prev: Head, endpoint: Endpoint,
-                            numel: int) -> Plan:
+    async def _receive_plan(self, group: Group, claim: pb.Contribution, prev: Head) -> Plan:
         d = self.deadlines
         link = group.links[group.leader]
-        claim = pb.Contribution(tokens=tokens, codec=self.codec.name, numel=numel, staleness=staleness,
-                                data_addrs=endpoint.addrs, data_token=endpoint.token, bandwidth=self.bandwidth)
         try:
             await link.send(claim, timeout=d.control)
             msg, _ = await link.recv(pb.Plan, max_payload=0, timeout=2 * d.control)
@@ -118,13 +166,21 @@ class RoundSteps:
             raise RoundAborted(f"our contribution was excluded: {plan.excluded.get(me, '')[:300]}")
         problem = plan_problem(plan, round_number=group.round, codec=self.codec.name, numel=self.model.numel, me=me,
                                group=group.members, max_group=self.cfg.max_group)
+        if not problem and not signed(group.leader, plan_body(self.transport.run_id, plan.round, plan_digest(msg)),
+                                      plan.signature):
+            problem = "it is not signed by the leader"
+        if not problem:
+            problem = plan_claims_problem(plan, ctx=self._context(group, prev), cfg=self.cfg)
+        if not problem and plan.claims[plan.members.index(me)].SerializeToString(deterministic=True) != \
+                claim.SerializeToString(deterministic=True):
+            problem = "it carries another claim of ours than the one we sent"
         if not problem:
             provisional = Statement(run_id=self.transport.run_id, round=plan.round + 1, prev_hash=plan.prev_hash,
                                     new_hash="0" * 64, members=plan.members, weights=plan.weights, swarm=plan.swarm,
                                     work=plan.work)
             problem = provisional.problem() or refusal_to_sign(
                 provisional, prev, round_number=group.round, swarm=group.swarm, group_members=group.members, me=me,
-                my_tokens=tokens, cap=self.cfg.weight_cap_factor)
+                my_tokens=claim.tokens)
         if problem:
             raise RoundAborted(f"leader's plan is not one we can take part in: {problem}", blame=group.leader)
         return plan

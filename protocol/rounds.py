@@ -23,6 +23,7 @@ import torch
 from protocol.codecs import get_codec
 from protocol.outcome import Outcome as Outcome  # re-exported: the words for how a round ended sit beside its rules
 from protocol.records import PROTOCOL_VERSION, PeerRecord, describe_difference
+from protocol.robust import Rule
 
 MAX_TOKENS = 2**40  # no honest peer trains on a trillion tokens in one round; larger claims are refused
 
@@ -39,9 +40,13 @@ class RoundConfig:
     control_timeout_s: float = 10.0  # one small control frame (join request and reply, group closed, abort)
     codec: str = "int8"
     max_group: int = 64
-    weight_cap_factor: float = 8.0  # a member's token weight is capped at this × the leader's own
+    weight_cap_factor: float = 4.0  # a member's token weight is capped at this × the group's median claim
     stale_discount: float = 0.5  # weight × discount**staleness for a Δ computed from an older θ
     max_staleness: int = 2
+    aggregator: str = "clip"  # per shard: "clip" (median-norm clip, far outliers dropped) or "mean" (plain mean)
+    clip_factor: float = 2.0  # clip radius: this × the median norm of the shard's parts
+    reject_factor: float = 10.0  # parts longer than this × the median norm are dropped (0: clip only)
+    audit_probes: int = 2  # random probes per shard in the audit of every result (0: no audit)
 
     def __post_init__(self) -> None:
         checks = [
@@ -55,11 +60,17 @@ class RoundConfig:
             (1 <= self.weight_cap_factor <= 1e6, "weight_cap_factor", self.weight_cap_factor, "1 .. 1e6"),
             (0 < self.stale_discount <= 1, "stale_discount", self.stale_discount, "0 < discount <= 1"),
             (0 <= self.max_staleness <= 100, "max_staleness", self.max_staleness, "0 .. 100"),
+            (0 <= self.audit_probes <= 16, "audit_probes", self.audit_probes, "0 .. 16"),
         ]
         for ok, name, value, allowed in checks:
             if not ok:
                 raise ValueError(f"{name}: got {value!r}, allowed {allowed}")
         get_codec(self.codec)
+        self.rule  # noqa: B018 - validates the aggregation settings
+
+    @property
+    def rule(self) -> Rule:
+        return Rule(aggregator=self.aggregator, clip_factor=self.clip_factor, reject_factor=self.reject_factor)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,17 +232,15 @@ def check_contribution(
     return ""
 
 
-def token_weights(claims: Mapping[str, tuple[int, int]], *, leader: str, cfg: RoundConfig) -> dict[str, float]:
+def token_weights(claims: Mapping[str, tuple[int, int]], *, cfg: RoundConfig) -> dict[str, int]:
     """Merge weight per contributor from its (claimed tokens, staleness): claims are capped at `weight_cap_factor`
-    × the leader's own count (a stranger's claim is bounded by work we measured ourselves) and discounted by
-    `stale_discount` per round of staleness. The leader's own weight is at least 1, so the total is never zero."""
-    cap = cfg.weight_cap_factor * max(claims[leader][0], 1)
-    weights = {}
-    for peer in sorted(claims):
-        tokens, stale = claims[peer]
-        tokens = max(tokens, 1) if peer == leader else tokens
-        weights[peer] = min(tokens, cap) * cfg.stale_discount**stale
-    return weights
+    × the group's (lower) median claim, so one peer's inflated count buys at most that multiple of a typical
+    member's weight however few honest peers there are, and discounted by `stale_discount` per round of staleness.
+    Whole numbers, at least 1: every member re-derives them from the signed claims and must get the same."""
+    counts = sorted(max(t, 1) for t, _ in claims.values())
+    cap = cfg.weight_cap_factor * counts[(len(counts) - 1) // 2]
+    return {peer: max(1, round(min(max(tokens, 1), cap) * cfg.stale_discount**stale))
+            for peer, (tokens, stale) in sorted(claims.items())}
 
 
 def weighted_average(tensors: Mapping[str, torch.Tensor], weights: Mapping[str, float]) -> torch.Tensor:

@@ -12,6 +12,11 @@ Which contributions count is settled before anything is reduced: each reducer te
 its shard arrived well-formed, and the leader keeps the contributors every reducer holds a part of. A member that
 sent one reducer garbage (or nothing) is dropped from every shard alike, and the round goes on without it.
 
+Every part and every reduced shard is signed by its sender over its digest, bound to the run, the round and the
+plan, so nothing on the path can alter one unseen. Each reducer aggregates robustly (`protocol.robust`) and signs
+the coefficients it used; every member checks them, and audits every shard before it signs the round
+(`protocol.audit`).
+
 Nothing is half-applied: a shard whose reducer dies, or whose reduced bytes do not arrive, is lost, and a member
 that misses any reduced shard applies nothing; the round ends uncertified for it. One shard lost is the whole round
 lost for that member, never a partial average.
@@ -27,10 +32,16 @@ from dataclasses import dataclass, field
 import torch
 
 from protocol import swarmloco_wire_pb2 as pb
+from protocol.audit import AuditCase, audit
 from protocol.codecs import Codec, CodecError
 from protocol.groups import RoundAborted
+from protocol.hooks import Hooks
+from protocol.identity import Identity
+from protocol.payloads import digest, part_body, plan_body, sign, signed
 from protocol.pipes import Inbox, Pipe, ShardRouter
 from protocol.plans import Plan
+from protocol.robust import Rule
+from protocol.shard_results import exchange_results
 from protocol.wire import WireError, frame_bytes
 
 logger = logging.getLogger(__name__)
@@ -46,6 +57,7 @@ class Reduced:
     direct: int = 0  # pipes that ran on TCP
     send_s: float = 0.0  # from the first part sent to the last: what the member's uplink took
     parts_sent: int = 0  # the bytes of those parts
+    audit_s: float = 0.0  # the audit's three steps, sketches included
     members: tuple[str, ...] = ()  # the settled contributors: those whose Δ is in the average
     pipes: dict[str, Pipe] = field(default_factory=dict)
 
@@ -56,29 +68,59 @@ class ShardTimeouts:
     transfer: float  # one part or one reduced shard on the wire
 
 
+@dataclass(frozen=True)
+class Signing:
+    """Who we are in this round and what binds our signatures to it."""
+
+    run_id: str
+    identity: Identity
+    leader: str
+    plan_id: bytes  # digest of the plan we hold
+    plan_signature: bytes  # its leader's signature of that digest
+    rule: Rule
+    probes: int  # audit probes per shard (0: no audit)
+    nonce: bytes  # behind our audit commitment
+    commits: tuple[str, ...]  # every member's audit commitment, plan order
+    hooks: Hooks = field(default_factory=Hooks)
+
+
 Settle = Callable[[list[str], dict[str, str]], Awaitable[tuple[str, ...]]]
 
 
 async def reduce_shards(plan: Plan, delta: torch.Tensor, *, me: str, codec: Codec, router: ShardRouter,
-                        inbox: Inbox, timeouts: ShardTimeouts, use_tcp: bool, settle: Settle,
+                        inbox: Inbox, timeouts: ShardTimeouts, use_tcp: bool, settle: Settle, signing: Signing,
                         after_parts: Callable[[], None] = lambda: None) -> Reduced:
     """Run this member's side of the plan: send its parts, gather the parts of its shard, settle with the leader
     which contributors count (`settle(have, problems)` returns the members every reducer holds a part of), reduce
-    its shard over those, and gather everyone's reduced shards. Raises RoundAborted when any shard is lost (nothing
-    was applied: the caller just discards the round)."""
+    its shard over those, gather everyone's reduced shards and audit them. Raises RoundAborted when any shard is
+    lost or fails its checks (nothing was applied: the caller just discards the round)."""
     k = plan.members.index(me)
     others = [p for p in plan.members if p != me]
     inbox.expect(set(plan.members[:k]))
     out = Reduced(average=torch.empty(plan.numel, dtype=torch.float32))
+    loop = asyncio.get_running_loop()
     try:
         out.pipes = await _open_pipes(plan, k, router=router, inbox=inbox, timeouts=timeouts, use_tcp=use_tcp)
         out.direct = sum(p.direct for p in out.pipes.values())
         own = delta.reshape(-1).to(torch.float32)
-        parts, problems = await _gather_parts(plan, k, own, out, codec=codec, timeout=timeouts.transfer,
-                                              after_parts=after_parts)
-        out.members = await settle(sorted(parts), problems)
-        reduced = await asyncio.get_running_loop().run_in_executor(None, _weighted_sum, plan, out.members, parts)
-        await _exchange_results(plan, k, reduced, out, codec=codec, timeout=timeouts.transfer)
+        gathered = await _gather_parts(plan, k, own, out, codec=codec, timeout=timeouts.transfer,
+                                       after_parts=after_parts, signing=signing)
+        out.members = await settle(sorted(gathered.parts), gathered.problems)
+        own_decoded = await loop.run_in_executor(None, _own_as_decoded, plan, k, own, codec, gathered.sent)
+        results, rounding = await exchange_results(plan, k, out, gathered.parts, own_decoded, codec=codec,
+                                                   timeout=timeouts.transfer, signing=signing)
+        if signing.probes:
+            started = time.monotonic()
+            case = AuditCase(plan, signing.plan_id, k, signing.run_id, signing.identity, codec, signing.probes,
+                             signing.nonce, signing.commits, out.members, results, rounding, out.average,
+                             own_decoded, gathered.parts, gathered.frames)
+            found = await audit(case, out.pipes, timeout=timeouts.transfer)
+            out.sent += case.sent
+            out.received += case.received
+            out.audit_s = time.monotonic() - started
+            if found.cheaters:
+                raise RoundAborted("audit failed: " + "; ".join(f"{p[-8:]} {why}" for p, why in found.cheaters.items()),
+                                   blame=next(iter(found.cheaters)), cheaters=found.cheaters)
     except BaseException:
         for pipe in out.pipes.values():
             pipe.close()
@@ -90,14 +132,18 @@ async def reduce_shards(plan: Plan, delta: torch.Tensor, *, me: str, codec: Code
     return out
 
 
-def _weighted_sum(plan: Plan, members: tuple[str, ...], parts: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Σ w_i part_i / Σ w_i over the settled contributors, in their sorted order, with the plan's weights."""
-    weight = dict(zip(plan.members, plan.weights, strict=True))
-    total = sum(weight[p] for p in members)
-    acc = torch.mul(parts[members[0]], weight[members[0]] / total)
-    for peer in members[1:]:
-        acc.add_(parts[peer], alpha=weight[peer] / total)
-    return acc
+def _own_as_decoded(plan: Plan, k: int, own: torch.Tensor, codec: Codec,
+                    sent: dict[int, bytes | bytearray | memoryview]) -> list[torch.Tensor]:
+    """Our part of every shard as its reducer decoded it: our own shard as it is (we reduce it unencoded), the
+    others decoded from the bytes we sent."""
+    out = []
+    for j in range(len(plan.members)):
+        s = plan.shard(j)
+        if j == k or codec.lossless or j not in sent:
+            out.append(own[s])
+        else:
+            out.append(codec.decode(bytearray(sent[j]), s.stop - s.start))
+    return out
 
 
 _background: set[asyncio.Future[None]] = set()  # pipes closing after their last frame was confirmed
@@ -127,46 +173,66 @@ async def _open_pipes(plan: Plan, k: int, *, router: ShardRouter, inbox: Inbox, 
     return pipes
 
 
+@dataclass
+class _Gathered:
+    parts: dict[str, torch.Tensor] = field(default_factory=dict)  # well-formed parts of our shard, ours included
+    problems: dict[str, str] = field(default_factory=dict)  # why the others are missing
+    frames: dict[str, tuple[pb.ShardPart, bytes]] = field(default_factory=dict)  # signed parts, for evidence
+    sent: dict[int, bytes | bytearray | memoryview] = field(default_factory=dict)  # our encoded parts
+
+
 async def _gather_parts(plan: Plan, k: int, own: torch.Tensor, out: Reduced, *, codec: Codec, timeout: float,
-                        after_parts: Callable[[], None]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Send every other reducer its part of our Δ while receiving and checking the parts of our own shard. Returns
-    the well-formed parts by contributor (ours included) and why the others are missing."""
+                        after_parts: Callable[[], None], signing: Signing) -> _Gathered:
+    """Send every other reducer its signed part of our Δ while receiving and checking the parts of our own
+    shard."""
     loop = asyncio.get_running_loop()
     mine = plan.shard(k)
     size = mine.stop - mine.start
     cap = codec.encoded_size(size)
     n = len(plan.members)
+    me = plan.members[k]
     order = [(k + s) % n for s in range(1, n)]  # everyone starts with a different reducer
-    parts: dict[str, torch.Tensor] = {}
-    problems: dict[str, str] = {}
+    got = _Gathered()
     # Our own part is checked like anyone's: a non-finite Δ of ours (a bug, a diverged replica) must drop us from
     # the round, not poison our shard.
     if bool(torch.isfinite(own[mine]).all()):
-        parts[plan.members[k]] = own[mine]
+        got.parts[me] = own[mine]
     else:
-        problems[plan.members[k]] = f"malformed part of shard {k} (our own): NaN or Inf"
+        got.problems[me] = f"malformed part of shard {k} (our own): NaN or Inf"
     started = time.monotonic()
 
-    def encode(j: int) -> bytes | bytearray | memoryview:
+    def encode(j: int) -> tuple[pb.ShardPart, bytes | bytearray | memoryview]:
         try:
-            return codec.encode(own[plan.shard(j)])
+            payload = codec.encode(own[plan.shard(j)])
         except CodecError as exc:  # e.g. a non-finite Δ: send what reducer j will refuse, not nothing
             logger.warning("our part of shard %d cannot be encoded (%s); reducer %d will refuse it", j, exc, j)
-            return b""
+            payload = b""
+        got.sent[j] = payload
+        d = digest(payload)
+        header = pb.ShardPart(round=plan.round, shard=j, digest=d, plan_digest=signing.plan_id,
+                              plan_signature=signing.plan_signature)
+        header.signature = sign(signing.identity, part_body(signing.run_id, plan.round, signing.plan_id, j, me, d))
+        return header, payload
 
     async def send_parts() -> None:
         # Part j + 1 is encoded (on an executor thread) while part j is on the wire.
         encoding = loop.run_in_executor(None, encode, order[0]) if order else None
         for at, j in enumerate(order):
             assert encoding is not None
-            payload = await encoding
+            header, payload = await encoding
             encoding = loop.run_in_executor(None, encode, order[at + 1]) if at + 1 < len(order) else None
-            sent = await out.pipes[plan.members[j]].send(pb.ShardPart(round=plan.round, shard=j), payload,
-                                                         timeout=timeout)
+            sent = await out.pipes[plan.members[j]].send(header, payload, timeout=timeout)
             out.sent += sent  # (never `+= await`: that reads the total before the await, losing concurrent adds)
             out.parts_sent += sent
         out.send_s = time.monotonic() - started
         after_parts()
+
+    def check(peer: str, header: pb.ShardPart, body: bytearray) -> torch.Tensor:
+        if digest(body) != bytes(header.digest) or not signed(
+                peer, part_body(signing.run_id, plan.round, signing.plan_id, k, peer, bytes(header.digest)),
+                bytes(header.signature)):
+            raise CodecError("its signature does not cover these bytes (altered on the way, or forged)")
+        return codec.decode(body, size)
 
     async def receive_part(i: int) -> None:
         peer = plan.members[i]
@@ -174,73 +240,32 @@ async def _gather_parts(plan: Plan, k: int, own: torch.Tensor, out: Reduced, *, 
             header, body = await out.pipes[peer].recv(pb.ShardPart, max_payload=cap, timeout=timeout)
             out.received += frame_bytes(header, len(body))
             if header.round != plan.round or header.shard != k:
-                problems[peer] = f"sent a part of round {header.round}, shard {header.shard}"
+                got.problems[peer] = f"sent a part of round {header.round}, shard {header.shard}"
                 return
-            parts[peer] = await loop.run_in_executor(None, codec.decode, body, size)
+            if bytes(header.plan_digest) != signing.plan_id:
+                got.problems[peer] = "sent a part for another plan than ours"
+                if signed(signing.leader, plan_body(signing.run_id, plan.round, bytes(header.plan_digest)),
+                          bytes(header.plan_signature)):
+                    raise RoundAborted("our leader signed two different plans for this round",
+                                       blame=signing.leader,
+                                       cheaters={signing.leader: f"signed two plans for round {plan.round}"})
+                return
+            got.parts[peer] = await loop.run_in_executor(None, check, peer, header, body)
+            if signing.probes:
+                got.frames[peer] = (header, body)
         except WireError as exc:
-            problems[peer] = f"no part of shard {k}: {exc}"
+            got.problems[peer] = f"no part of shard {k}: {exc}"
         except CodecError as exc:
-            problems[peer] = f"malformed part of shard {k}: {exc}"
+            got.problems[peer] = f"malformed part of shard {k}: {exc}"
 
     sending = asyncio.ensure_future(send_parts())
-    await asyncio.gather(*(receive_part(i) for i in order))
+    try:
+        await asyncio.gather(*(receive_part(i) for i in order))
+    except RoundAborted:
+        sending.cancel()
+        raise
     try:
         await sending
     except WireError as exc:
         raise RoundAborted(f"could not send our parts: {exc}") from exc
-    return parts, problems
-
-
-async def _send_result(plan: Plan, k: int, out: Reduced, payload: bytes | bytearray | memoryview,
-                       timeout: float) -> None:
-    """Our reduced shard to every other member. A member we cannot reach misses one shard and applies nothing;
-    that is its loss to report, not ours."""
-    header = pb.ShardResult(round=plan.round, shard=k, ok=True)
-
-    async def one(peer: str) -> None:
-        try:
-            n = await out.pipes[peer].send(header, payload, timeout=timeout)
-            out.sent += n
-        except WireError as exc:
-            logger.info("could not send shard %d to %s: %s", k, peer[-8:], exc)
-
-    await asyncio.gather(*(one(p) for p in plan.members if p != plan.members[k]))
-
-
-async def _exchange_results(plan: Plan, k: int, reduced: torch.Tensor, out: Reduced, *, codec: Codec,
-                            timeout: float) -> None:
-    """Send our reduced shard to everyone and place everyone's in the average."""
-    loop = asyncio.get_running_loop()
-    mine = plan.shard(k)
-    try:
-        payload = await loop.run_in_executor(None, codec.encode, reduced)
-        # Everyone applies what they decode: the reducer too, so that every member holds the same bytes.
-        out.average[mine] = reduced if codec.lossless else await loop.run_in_executor(
-            None, codec.decode, bytearray(payload), mine.stop - mine.start)
-    except CodecError as exc:  # finite parts averaged to something the codec cannot carry: the shard is lost
-        raise RoundAborted(f"our reduced shard {k} cannot be encoded: {exc}") from exc
-
-    async def receive_result(i: int) -> str:
-        peer, theirs = plan.members[i], plan.shard(i)
-        size = theirs.stop - theirs.start
-        try:
-            header, body = await out.pipes[peer].recv(pb.ShardResult, max_payload=codec.encoded_size(size),
-                                                      timeout=timeout)
-            if header.round != plan.round or header.shard != i:
-                return f"{peer[-8:]} sent the result of round {header.round}, shard {header.shard}"
-            if not header.ok:
-                return f"{peer[-8:]} has no result for shard {i}: {header.reason[:200]}"
-            out.received += frame_bytes(header, len(body))
-            await loop.run_in_executor(None, codec.decode_into, body, size, out.average[theirs])
-            return ""
-        except WireError as exc:
-            return f"no result from {peer[-8:]}: {exc}"
-        except CodecError as exc:
-            return f"malformed result from {peer[-8:]}: {exc}"
-
-    others = [i for i in range(len(plan.members)) if i != k]
-    _, problems = await asyncio.gather(
-        _send_result(plan, k, out, payload, timeout), asyncio.gather(*(receive_result(i) for i in others)))
-    lost = [plan.members[i] for i, p in zip(others, problems, strict=True) if p]
-    if lost:
-        raise RoundAborted(f"shard lost: {'; '.join(p for p in problems if p)[:500]}", blame=lost[0])
+    return got

@@ -28,9 +28,9 @@ FAST = dict(
 
 
 def averager_for(transport: FakeTransport, *, quorum: int, hooks: Hooks | None = None,
-                 gate: Gate | None = None, **cfg: object) -> Averager:
+                 gate: Gate | None = None, model: LocalModel = MODEL, **cfg: object) -> Averager:
     settings = {**FAST, **cfg}
-    averager = Averager(transport, RoundConfig(quorum=quorum, **settings), MODEL,  # type: ignore[arg-type]
+    averager = Averager(transport, RoundConfig(quorum=quorum, **settings), model,  # type: ignore[arg-type]
                         credentials=transport.credentials, gate=gate or Gate(transport.run_id, None),
                         genesis_hash=H0, hooks=hooks)
     averager.start()
@@ -65,8 +65,8 @@ def join_request(transport: FakeTransport) -> pb.JoinRequest:
                           state_hash=H0, ticket=transport.credentials.ticket)
 
 
-def delta(i: int) -> torch.Tensor:
-    return torch.full((NUMEL,), float(i + 1))
+def delta(i: int, numel: int = NUMEL) -> torch.Tensor:
+    return torch.full((numel,), float(i + 1))
 
 
 class Applied:
@@ -90,7 +90,7 @@ class Applied:
 
 
 def run(averager: Averager, group: Group, i: int, applied: Applied, tokens: int = 100) -> RoundResult:
-    return averager.run_round(group, Contribution(delta=delta(i), tokens=tokens), apply=applied,
+    return averager.run_round(group, Contribution(delta=delta(i, averager.model.numel), tokens=tokens), apply=applied,
                               rollback=applied.rollback)
 
 

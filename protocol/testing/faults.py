@@ -6,7 +6,11 @@ the first time the phase is reached) runs with a `FaultInjector` as its hooks. P
     member_after_send=kill     die after sending the contribution, before the result arrives
     leader_before_commit=kill  die as leader after averaging, before anyone got the result
     contribute=nan|wrong_numel|inflate|zero_tokens   send a malformed contribution (as a member)
+    contribute=negate1000|random1000   poison: Δ × −1000, or a random Δ 1000× as long, claiming 1000× the tokens
+    reduce=flip|noise1000      as a reducer, sign and send −(the true shard), or random noise 1000× as long
+    reduce=equivocate          as a reducer, send every other member a different (signed) shard than the rest
     serve_state=corrupt        serve random bytes to state downloaders (a lying donor)
+A round of `*` arms the fault for every round.
 Every firing is appended to `fired` and reported through `on_fire` before the action happens.
 """
 from __future__ import annotations
@@ -23,8 +27,10 @@ from protocol.hooks import Hooks
 
 logger = logging.getLogger(__name__)
 ENV = "SWARMLOCO_FAULTS"
-PHASES = {"inner_step", "member_after_send", "leader_before_commit", "contribute", "serve_state"}
-ACTIONS = {"kill", "nan", "wrong_numel", "inflate", "zero_tokens", "corrupt"}
+PHASES = {"inner_step", "member_after_send", "leader_before_commit", "contribute", "reduce", "serve_state"}
+ACTIONS = {"kill", "nan", "wrong_numel", "inflate", "zero_tokens", "corrupt", "negate1000", "random1000", "flip",
+           "noise1000", "equivocate"}
+EVERY = -1  # the round of a fault armed for every round
 
 
 @dataclass
@@ -51,7 +57,8 @@ class FaultInjector(Hooks):
             if phase not in PHASES or action not in ACTIONS:
                 raise ValueError(f"{ENV}: got {item!r}, allowed phase=action[@round] with phases {sorted(PHASES)}, "
                                  f"actions {sorted(ACTIONS)}")
-            faults.append(Fault(phase, action, int(round_text) if round_text else None))
+            every = round_text == "*"
+            faults.append(Fault(phase, action, EVERY if every else int(round_text) if round_text else None))
         return cls(faults)
 
     @classmethod
@@ -61,7 +68,9 @@ class FaultInjector(Hooks):
     def match(self, phase: str, round_number: int) -> str | None:
         """The action to take now, if a fault is armed for (phase, round); each fault fires once."""
         for fault in self.faults:
-            if fault.phase == phase and not fault.fired and (fault.round is None or fault.round == round_number):
+            if fault.phase != phase:
+                continue
+            if fault.round == EVERY or (not fault.fired and fault.round in (None, round_number)):
                 fault.fired += 1
                 self.fired.append((phase, fault.action, round_number))
                 logger.warning("fault injected: %s=%s at round %d", phase, fault.action, round_number)
@@ -98,7 +107,29 @@ class FaultInjector(Hooks):
             tokens = 10**12
         elif action == "zero_tokens":
             tokens = 0
+        elif action == "negate1000":
+            delta, tokens = delta * -1000.0, tokens * 1000
+        elif action == "random1000":
+            noise = torch.randn(delta.shape, generator=torch.Generator().manual_seed(round_number))
+            delta = noise * (1000.0 * float(delta.norm()) / max(float(noise.norm()), 1e-30))
+            tokens *= 1000
         return delta, tokens
+
+    def reduced_shard(self, round_number: int, shard: int, reduced: torch.Tensor) -> torch.Tensor:
+        action = self.match("reduce", round_number)
+        self._equivocating = action == "equivocate"
+        if action == "flip":
+            return -reduced
+        if action == "noise1000":
+            noise = torch.randn(reduced.shape, generator=torch.Generator().manual_seed(round_number))
+            return noise * (1000.0 * max(float(reduced.norm()), 1e-6) / max(float(noise.norm()), 1e-30))
+        return reduced
+
+    def shard_result(self, round_number: int, shard: int, peer: str, reduced: torch.Tensor) -> torch.Tensor:
+        # every other recipient (by peer id) gets a slightly different shard, each properly signed
+        if getattr(self, "_equivocating", False) and int(peer[-1], 36) % 2:
+            return reduced * 0.5
+        return reduced
 
     def served_state(self, blob: bytes) -> bytes:
         # Armed once, then every download is served corrupt: a donor that lies consistently.

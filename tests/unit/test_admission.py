@@ -161,7 +161,7 @@ def test_a_member_signs_only_a_statement_that_extends_its_state_with_plausible_w
                   weights=tuple(weights[m] for m in members), swarm=3, work=1000 + 490)
 
     def refusal(statement: Statement, **kw: object) -> str:
-        args: dict[str, object] = dict(round_number=3, swarm=3, group_members=group, me=me, my_tokens=90, cap=8.0)
+        args: dict[str, object] = dict(round_number=3, swarm=3, group_members=group, me=me, my_tokens=90)
         return refusal_to_sign(statement, prev, **{**args, **kw})  # type: ignore[arg-type]
 
     assert refusal(s) == ""
@@ -170,9 +170,8 @@ def test_a_member_signs_only_a_statement_that_extends_its_state_with_plausible_w
     assert "swarm" in refusal(s, swarm=4)
     assert "outside our group" in refusal(s, group_members=[leader, me])
     assert "our weight" in refusal(s, my_tokens=10)  # the leader gave us more weight than we claimed
-    inflated = dict(weights, **{leader: 10**9})  # the leader buys its chain work it never did
-    big = replace(s, weights=tuple(inflated[m] for m in members), work=1000 + sum(inflated.values()))
-    assert "out of proportion" in refusal(big)
+    # (a leader that inflates its own weight is caught earlier: every member re-derives the weights from the
+    # contributors' signed claims, tests/unit/test_signed_claims.py)
 
 
 def test_the_leader_order_seed_needs_the_members_signatures() -> None:

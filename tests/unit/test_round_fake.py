@@ -265,11 +265,13 @@ def test_group_closing_while_the_accept_is_in_flight_still_counts_the_member(net
 
     group, sent, closed = net.call(race(), timeout=10)
     assert group.members == [leader_id, "member"]
-    reply_reader = asyncio.StreamReader()
-    reply_reader.feed_data(sent)
-    reply_reader.feed_eof()
 
     async def parse() -> tuple[pb.JoinReply, pb.GroupClosed]:
+        # made inside the loop: a StreamReader built outside one fails once an earlier test's asyncio.run has
+        # cleared the main thread's loop
+        reply_reader = asyncio.StreamReader()
+        reply_reader.feed_data(sent)
+        reply_reader.feed_eof()
         reply, _ = await read_frame(reply_reader, pb.JoinReply, max_payload=0, timeout=1)
         closed_msg, _ = await read_frame(reply_reader, pb.GroupClosed, max_payload=0, timeout=1)
         return reply, closed_msg

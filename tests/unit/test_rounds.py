@@ -108,13 +108,13 @@ def test_contribution_checks_name_the_problem() -> None:
     assert "staleness 3 > 2" in check_contribution(**{**ok, "staleness": 3})
 
 
-def test_token_weights_cap_and_discount() -> None:
-    cfg = RoundConfig(weight_cap_factor=8, stale_discount=0.5)
-    weights = token_weights(
-        {"lead": (100, 0), "greedy": (10**12, 0), "stale": (100, 2), "small": (30, 0)}, leader="lead", cfg=cfg
-    )
-    assert weights == {"greedy": 800.0, "lead": 100.0, "small": 30.0, "stale": 25.0}
-    assert token_weights({"lead": (0, 0)}, leader="lead", cfg=cfg) == {"lead": 1.0}  # never a zero total
+def test_token_weights_cap_at_a_multiple_of_the_group_median_and_discount() -> None:
+    cfg = RoundConfig(weight_cap_factor=4, stale_discount=0.5)
+    weights = token_weights({"lead": (100, 0), "greedy": (10**12, 0), "stale": (100, 2), "small": (30, 0)}, cfg=cfg)
+    # median claim (lower) is 100: the greedy claim is worth 400, whoever leads and however small the leader's is
+    assert weights == {"greedy": 400, "lead": 100, "small": 30, "stale": 25}
+    assert token_weights({"lead": (1, 0), "greedy": (10**12, 0), "b": (100, 0)}, cfg=cfg)["greedy"] == 400
+    assert token_weights({"lead": (0, 0)}, cfg=cfg) == {"lead": 1}  # never a zero total
 
 
 def test_weighted_average_is_exact_and_order_independent() -> None:

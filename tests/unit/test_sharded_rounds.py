@@ -13,7 +13,7 @@ from _fake_rounds import NUMEL, by_rank, peers, round_from_heads, whole_round
 from protocol.codecs import Codec, get_codec
 from protocol.hooks import Hooks
 from protocol.plans import shard_bounds
-from protocol.rounds import Outcome
+from protocol.rounds import LocalModel, Outcome
 from protocol.testing.fake import FakeNetwork
 
 pytestmark = pytest.mark.timeout(60)
@@ -26,7 +26,11 @@ def net() -> Iterator[FakeNetwork]:
 
 
 def test_eight_members_each_reduce_one_shard_and_agree_bit_for_bit(net: FakeNetwork) -> None:
-    averagers = peers(net, 8, quorum=8, codec="int8")
+    # 64 Ki elements: large enough that the signed headers and the audit's scalars (a few KB per member) are small
+    # next to the data, so the byte count below measures the data path
+    numel = 64 * 1024 + 1000
+    model = LocalModel(fingerprint="fp", config={"numel": numel}, numel=numel)
+    averagers = peers(net, 8, quorum=8, codec="int8", model=model)
     results, applied = whole_round(averagers, tokens=lambda i: 10 * (i + 1))
     assert [r.outcome for r in results] == [Outcome.COMMITTED] * 8, [r.reason for r in results]
     # every shard has one source, so even with a lossy codec every member applies the same bytes
@@ -34,8 +38,8 @@ def test_eight_members_each_reduce_one_shard_and_agree_bit_for_bit(net: FakeNetw
     weights = {p: w for p, w in zip(results[0].members, results[0].weights, strict=True)}
     ids = [a.transport.peer_id for a in averagers]
     exact = sum(weights[ids[i]] * (i + 1.0) for i in range(8)) / sum(weights.values())
-    assert torch.allclose(applied[0].calls[0], torch.full((NUMEL,), exact), rtol=0.02)
-    encoded = get_codec("int8").encoded_size(NUMEL)
+    assert torch.allclose(applied[0].calls[0], torch.full((numel,), exact), rtol=0.02)
+    encoded = get_codec("int8").encoded_size(numel)
     assert sum(r.bytes_sent for r in results) == sum(r.bytes_received for r in results)
     # each link carries about 2 (N - 1) / N of the encoded vector (plus frame headers), nowhere N - 1 times it
     assert all(r.bytes_sent < 2 * 7 / 8 * encoded * 1.5 and r.pipes == 7 for r in results), \
