@@ -155,15 +155,18 @@ class ConnectionGuard:
             self._idle[conn] = None
 
     def note(self, event: str) -> None:
-        """Count ``event``; log the counts since the last line at most every ``LOG_EVERY_S``."""
+        """Count ``event``; log the counts since the last line at most every ``LOG_EVERY_S``. An idle connection
+        closed is routine (every keep-alive connection ends that way) and is only counted."""
         self.totals[event] += 1
+        if event == "idle_closed":
+            return
         self._unlogged[event] += 1
         now = time.monotonic()
         if now - self._logged_at >= LOG_EVERY_S:
             self._logged_at = now
             counts = ", ".join(f"{k}={v}" for k, v in sorted(self._unlogged.items()))
-            logger.warning("coordinator connections: %s (open %d of %d, at most %d per address, idle timeout %gs, "
-                           "request deadline %gs)", counts, len(self._open), self.max_connections,
+            logger.warning("connections refused or cut off: %s (open %d of %d, at most %d per address, idle "
+                           "timeout %gs, request deadline %gs)", counts, len(self._open), self.max_connections,
                            self.limits.max_per_address, self.limits.idle_timeout_s, self.limits.request_timeout_s)
             self._unlogged.clear()
 
