@@ -15,19 +15,18 @@ Who may join: ``--admission open|invite|allowlist|none`` (with ``--invite-code``
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
-import requests
-
-from coordinator.authority import AuthorityConfig
+# Only light modules here: `swarmloco --help` and argument errors must not wait for uvicorn, fastapi or hivemind,
+# which run_coordinator and run_status import when they are needed.
 from coordinator.revocation_cli import add_revocation_commands, run_revocation
-from coordinator.server import CoordinatorConfig, CoordinatorServer
-from coordinator.service import ServiceConfig
-from coordinator.store import StoreError
 from protocol.admission import POLICIES, AdmissionPolicy, load_allowlist
+from protocol.ports import port_taken
 
 __all__ = ["add_coordinator_arguments", "add_status_arguments", "admission_policy", "run_coordinator", "run_status"]
 
@@ -104,12 +103,69 @@ def admission_policy(args: argparse.Namespace) -> AdmissionPolicy:
                            ticket_s=args.ticket_lifetime)
 
 
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _maddr_host(maddr: str) -> str:
+    parts = maddr.split("/")
+    return parts[2] if len(parts) > 2 and parts[1] in ("ip4", "ip6", "dns", "dns4", "dns6") else ""
+
+
+def public_join(info: dict[str, Any], *, host: str, dht_host: str) -> tuple[str, str | None]:
+    """The join command to print, and a note when it only works on this machine.
+
+    A DHT node on a wildcard address lists every interface's address, loopback first; a volunteer elsewhere needs
+    one of the others, and the coordinator's URL on that same address when the HTTP API listens on every interface.
+    """
+    maddrs = list(info.get("dht_maddrs") or [])
+    public = [m for m in maddrs if not _loopback(_maddr_host(m))]
+    maddr = (public or maddrs or [None])[0]
+    url = info["url"]
+    if host in ("0.0.0.0", "::", "") and maddr in public:
+        address = _maddr_host(maddr)
+        url = f"http://{address if ':' not in address else f'[{address}]'}:{info['port']}"
+    parts = ["swarmloco", "peer"] + (["--initial-peer", maddr] if maddr else [])
+    command = shlex.join([*parts, "--coordinator", url, "--run-id", info["run_id"]])
+    note = None
+    if maddrs and not public:
+        note = ("only a loopback address is known, so this command works on this machine only"
+                + ("" if dht_host in ("0.0.0.0", "::") else f" (--dht-host {dht_host})")
+                + ": to let other machines join, start with --host 0.0.0.0 --dht-host 0.0.0.0 (or this machine's "
+                  "address) and replace 127.0.0.1 by an address they can reach")
+    return command, note
+
+
+def _ports_problem(args: argparse.Namespace) -> str | None:
+    """One line naming a port this coordinator cannot own, or None. p2pd would share a taken DHT port silently."""
+    wanted = [("--port", args.host, args.port)] + ([] if args.no_dht else [("--dht-port", args.dht_host,
+                                                                             args.dht_port)])
+    for flag, host, port in wanted:
+        why = port_taken(host, port)
+        if why:
+            return (f"{flag} {port} on {host} cannot be used ({why}): another coordinator or peer is probably "
+                    f"listening there; stop it, or pick another {flag} (0 = any free port)")
+    return None
+
+
 def run_coordinator(args: argparse.Namespace) -> int:
     """Start the coordinator in the foreground (or run a revocation command); returns the process exit code."""
     logging.basicConfig(level=getattr(logging, args.log_level, logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if getattr(args, "coordinator_action", None):
         return run_revocation(args)
+    from coordinator.authority import AuthorityConfig
+    from coordinator.server import CoordinatorConfig, CoordinatorServer
+    from coordinator.service import ServiceConfig
+    from coordinator.store import StoreError
+
+    problem = _ports_problem(args)
+    if problem:
+        print(f"swarmloco coordinator: {problem}", file=sys.stderr)
+        return 2
     try:
         policy = admission_policy(args)
         service = ServiceConfig(run_id=args.run_id, max_past_s=args.max_past_s, max_future_s=args.max_future_s,
@@ -132,7 +188,10 @@ def run_coordinator(args: argparse.Namespace) -> int:
     print(f"authority    {info['authority']}   (admission: {info['admission']})")
     for maddr in info["dht_maddrs"]:
         print(f"DHT node     {maddr}")
-    print(f"join with:   {info['join_command']}", flush=True)
+    command, note = public_join(info, host=args.host, dht_host=args.dht_host)
+    print(f"join with:   {command}", flush=True)
+    if note:
+        print(f"note:        {note}", flush=True)
     server.run()
     return 0
 
@@ -146,6 +205,8 @@ def add_status_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _get(base: str, path: str, params: dict[str, Any], timeout: float) -> dict[str, Any]:
+    import requests
+
     resp = requests.get(base.rstrip("/") + path, params=params, timeout=timeout)
     resp.raise_for_status()
     return resp.json()
@@ -164,6 +225,8 @@ def _fmt(x: Any, spec: str = "") -> str:
 
 def run_status(args: argparse.Namespace) -> int:
     """Print peers, recent rounds and losses of a run; exit code 1 if the coordinator is unreachable."""
+    import requests
+
     try:
         run_id = args.run_id or _get(args.coordinator, "/api/runs", {"limit": 1}, args.timeout)["default_run_id"]
         peers = _get(args.coordinator, "/api/peers", {"run_id": run_id, "limit": 1000}, args.timeout)["items"]

@@ -12,8 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-from coordinator.server import REVOCATIONS_EVERY_S
-from coordinator.store import SQLiteStore, StoreError
 from protocol.admission import MAX_REVOKED
 from protocol.identity import public_key_from_peer_id
 
@@ -39,6 +37,9 @@ def add_revocation_commands(parser: argparse.ArgumentParser) -> None:
 
 def run_revocation(args: argparse.Namespace) -> int:
     """Run ``revoke``/``unrevoke``; exit code 0 on success (also when nothing changed), 2 on bad input."""
+    from coordinator.server import REVOCATIONS_EVERY_S  # uvicorn and fastapi: not needed to build the parser
+    from coordinator.store import SQLiteStore, StoreError
+
     action, peer_id = args.coordinator_action, args.peer_id.strip()
     prog = f"swarmloco coordinator {action}"
     try:

@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from peer import bootstrap
+from peer import bootstrap, preflight
 from peer import config as config_mod
 from peer.checkpoint import CheckpointError
 from peer.config import ConfigError, PeerConfig
@@ -68,6 +68,13 @@ def run_peer(args: argparse.Namespace) -> int:
     try:
         cfg = bootstrap.resolve(config_mod.build_config(args))
         run = cfg.run
+        lock = preflight.lock_workdir(cfg)  # noqa: F841 - held until the process exits
+        moved = preflight.set_aside_checkpoint(cfg)
+        if moved is not None:
+            logger.warning("%s/checkpoint holds an earlier run: moved it to %s (pass --resume to continue from a "
+                           "checkpoint instead)", run.workdir, moved)
+        if not run.solo:
+            preflight.check_network(cfg)
         replica = build_replica(cfg, data_seed=0 if run.solo else swarm_data_seed(cfg))
         stop = StopFlag().install()
         if run.solo:
@@ -85,6 +92,12 @@ def run_peer(args: argparse.Namespace) -> int:
                 return 3
             except AdmissionSetupError as exc:
                 logger.error("not admitted: %s", exc)
+                return 3
+            except Exception as exc:
+                explained = preflight.explain_start_failure(exc, cfg)
+                if explained is None:
+                    raise
+                logger.error("%s", explained)
                 return 3
         write_summary(run.summary_json, summary)
         return 0

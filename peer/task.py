@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from peer import data as corpus
+from peer.config import ConfigError
 from peer.model import GPT, PRESETS
 
 logger = logging.getLogger(__name__)
@@ -127,21 +130,43 @@ def default_task(ctx: TaskContext) -> Task:
     )
 
 
+class TaskError(ConfigError):
+    """--task names nothing loadable; the message says what to fix."""
+
+
+def _import_task_module(module_name: str) -> Any:
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and exc.name != module_name and not module_name.startswith(exc.name + "."):
+            raise TaskError(f"task: importing {module_name!r} failed: it needs {exc.name!r}, which is not "
+                            "installed in this environment") from None
+        path = Path(*module_name.split("."))
+        here = path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+        hint = ("it is in the current directory, which the swarmloco command does not search: run with "
+                "PYTHONPATH=. (or PYTHONPATH=DIR for a module in DIR)") if here else \
+            f"is its directory on PYTHONPATH ({os.environ.get('PYTHONPATH') or 'unset'})?"
+        raise TaskError(f"task: no module named {module_name!r}; {hint}") from None
+    except SyntaxError as exc:
+        raise TaskError(f"task: {exc.filename}:{exc.lineno}: syntax error: {exc.msg}") from None
+
+
 def load_task(spec: str | None, ctx: TaskContext) -> Task:
     """`None` → the default task; `"package.module:factory"` → factory(ctx), which must return a Task."""
     if spec is None:
         return default_task(ctx)
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"task: got {spec!r}, allowed 'package.module:factory'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"task: cannot import module {module_name!r} ({exc}); is it on PYTHONPATH?") from exc
+        raise TaskError(f"task: got {spec!r}, allowed 'package.module:factory' (a module, a colon, the name of a "
+                        "function in it that returns a peer.task.Task)")
+    module = _import_task_module(module_name)
     factory = getattr(module, attr, None)
     if not callable(factory):
-        raise ValueError(f"task: {module_name!r} has no callable {attr!r}")
+        found = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+                       and getattr(v, "__module__", None) == module.__name__)
+        raise TaskError(f"task: {module_name!r} ({getattr(module, '__file__', '?')}) has no function {attr!r}; "
+                        f"it defines: {', '.join(found) or 'no functions'}")
     task = factory(ctx)
     if not isinstance(task, Task):
-        raise ValueError(f"task: {spec} returned {type(task).__name__}, expected peer.task.Task")
+        raise TaskError(f"task: {spec} returned {type(task).__name__}, expected peer.task.Task")
     return task
