@@ -6,10 +6,13 @@ BIN := $(VENV)/bin
 .PHONY: install demo solo test test-fast clean
 
 $(BIN)/swarmloco: pyproject.toml
+	@echo "installing swarmloco and its dependencies (torch, hivemind, ...) into $(VENV)/: about 3 minutes the first time"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet --progress-bar off -e '.[test]'
+	@$(BIN)/swarmloco peer --help > /dev/null  # fills the flag cache, so the next --help answers at once
 	touch $@
+	@echo "installed: run $(BIN)/swarmloco, or 'source $(VENV)/bin/activate' to have swarmloco on your PATH"
 
 install: $(BIN)/swarmloco
 
@@ -20,6 +23,7 @@ solo: install
 	$(BIN)/swarmloco peer --solo --preset tiny --max-steps 300 --workdir runs/solo --summary-json runs/solo/summary.json
 
 test: install
+	@echo "the whole suite: about 20 minutes on 2 cores (make test-fast runs the unit tier in under a minute)"
 	$(BIN)/python -m pytest -q
 
 test-fast: install

@@ -15,13 +15,13 @@ import tomllib
 import types
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from peer.model import PRESETS
 from peer.options import CONFIG_ENV, ENV_PREFIX, OPTIONS, OTHER_ENV, Option
 from peer.outer import OuterConfig
+from peer.presets import PRESETS
 from peer.tickets import AdmissionConfig
 from protocol.node import NetworkConfig
 from protocol.rounds import MAX_TOKENS, RoundConfig
@@ -218,22 +218,35 @@ def _coerce(value: Any, tp: Any, name: str, *, auto: bool = False) -> Any:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per row of the option table; each help line names the env var, so --help documents both."""
-    parser.add_argument("--config", metavar="PATH",
-                        help=f"TOML file with [{'], ['.join(SECTIONS)}] sections [env {CONFIG_ENV}]")
-    groups = {name: parser.add_argument_group(f"[{name}]") for name in SECTIONS}
+    """The peer's flags (peer/cli_args.py builds them from option_spec, cached)."""
+    from peer.cli_args import add_arguments as add
+
+    add(parser, option_spec())
+
+
+def _shown(value: Any, opt: Option) -> str:
+    """A default as --help shows it."""
+    if value is None:
+        return "auto" if opt.auto else "unset"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, tuple):
+        return " ".join(map(str, value)) or "none"
+    return str(value)
+
+
+def option_spec() -> dict[str, Any]:
+    """Each flag's kind and default, read from the dataclasses: what peer/cli_args.py caches."""
+    options = {}
     for opt in OPTIONS:
-        base, _ = _base_type(_field_type(SECTIONS[opt.section], opt.field))
-        help_text = f"{opt.help} [env {opt.env}]"
-        group = groups[opt.section]
-        if base is bool:
-            group.add_argument(opt.flag, dest=opt.dest, action=argparse.BooleanOptionalAction, default=None,
-                               help=help_text)
-        elif opt.repeat:
-            group.add_argument(opt.flag, dest=opt.dest, action="append", default=None, metavar="VALUE", help=help_text)
-        else:
-            metavar = "N|auto" if opt.auto else opt.field.upper()
-            group.add_argument(opt.flag, dest=opt.dest, default=None, metavar=metavar, help=help_text)
+        cls = SECTIONS[opt.section]
+        base, is_list = _base_type(_field_type(cls, opt.field))
+        default = next(f for f in fields(cls) if f.name == opt.field).default
+        if default is MISSING:
+            default = None
+        kind = "bool" if base is bool else "list" if is_list else "value"
+        options[opt.flag] = {"kind": kind, "default": _shown(default, opt)}
+    return {"sections": list(SECTIONS), "options": options}
 
 
 def load_toml(path: str) -> dict[str, dict[str, Any]]:
@@ -249,9 +262,20 @@ def load_toml(path: str) -> dict[str, dict[str, Any]]:
         if section not in SECTIONS or not isinstance(values, dict):
             raise ConfigError(f"config: unknown section [{section}] in {p}, allowed {', '.join(SECTIONS)}")
         known = {f.name for f in fields(SECTIONS[section])}
-        for key in values:
-            if key not in known:
-                raise ConfigError(f"config: unknown key {section}.{key} in {p}, allowed {', '.join(sorted(known))}")
+        # the flag's name works as a key too: --inner-lr is [train] inner_lr as well as [train] lr
+        aliases = {o.label: o.field for o in OPTIONS if o.section == section and o.label != o.field}
+        keys: dict[str, Any] = {}
+        written: dict[str, str] = {}  # field -> the key the file used for it
+        for key, value in values.items():
+            name = aliases.get(key, key)
+            if name not in known:
+                allowed = ", ".join(sorted(known | set(aliases)))
+                raise ConfigError(f"config: unknown key {section}.{key} in {p}, allowed {allowed}")
+            if name in keys:
+                raise ConfigError(f"config: {section}.{written[name]} and {section}.{key} in {p} are one setting; "
+                                  "keep one")
+            keys[name], written[name] = value, key
+        raw[section] = keys
     return raw
 
 

@@ -9,6 +9,7 @@ Subcommands (each prints a markdown table of ratios measured side by side in one
   trust        certified rounds: certification vs exchange time per round, and the cost of each offline check
   codecs       encode/decode throughput of every codec, now vs before vectorising, vs a loopback send
   scale        round overhead (matchmaking, exchange, commit) and memory per peer for 2 .. 32 local peers
+  cli          seconds until the console script answers --help or a mistyped flag (target: under 1.5 s)
 The logic lives in scripts/bench_<name>.py; `--quick` shrinks every size for a CI smoke test.
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "trust": ("scripts.bench_trust", "certified rounds: certification vs exchange, and the offline checks"),
     "scale": ("scripts.bench_scale", "round overhead and memory per peer vs the number of peers (2 .. 32)"),
     "codecs": ("scripts.bench_codecs", "codec encode/decode throughput: now vs before, and vs a loopback send"),
+    "cli": ("scripts.bench_cli", "seconds until `swarmloco --help`, a command's --help or a flag error answers"),
 }
 
 

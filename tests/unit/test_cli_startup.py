@@ -1,0 +1,77 @@
+"""What the console script decides before anything heavy starts: the join command it prints, the flag table it
+builds from a cache, the command it blames for an unknown flag, and whether a port can be owned."""
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from coordinator.cli import public_join
+from peer import cli_args
+from peer.config import option_spec
+from peer.options import OPTIONS
+from protocol.ports import port_taken, tcp_listen_addresses
+from scripts.cli import build_parser, parse
+
+ID = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+INFO = {"url": "http://127.0.0.1:8000", "port": 8000, "run_id": "r",
+        "dht_maddrs": [f"/ip4/127.0.0.1/tcp/31337/p2p/{ID}", f"/ip4/192.0.2.9/tcp/31337/p2p/{ID}"]}
+
+
+def test_join_command_names_a_public_address_when_listening_everywhere() -> None:
+    command, note = public_join(INFO, host="0.0.0.0", dht_host="0.0.0.0")
+    assert command == (f"swarmloco peer --initial-peer /ip4/192.0.2.9/tcp/31337/p2p/{ID} --coordinator "
+                       "http://192.0.2.9:8000 --run-id r") and note is None
+    command, _ = public_join(INFO, host="127.0.0.1", dht_host="0.0.0.0")  # the API stays local: its URL too
+    assert "--coordinator http://127.0.0.1:8000" in command and "192.0.2.9/tcp" in command
+
+
+def test_join_command_says_when_only_loopback_is_known() -> None:
+    info = {**INFO, "dht_maddrs": INFO["dht_maddrs"][:1]}
+    command, note = public_join(info, host="127.0.0.1", dht_host="127.0.0.1")
+    assert "/ip4/127.0.0.1/tcp/31337" in command
+    assert note is not None and "works on this machine only (--dht-host 127.0.0.1)" in note
+
+
+def test_cached_flag_table_matches_the_dataclasses(tmp_path: Path) -> None:
+    spec = cli_args.option_spec(cache_dir=tmp_path)
+    assert spec == option_spec() and set(spec["options"]) == {o.flag for o in OPTIONS}
+    cached = list(tmp_path.glob("peer-options-*.json"))
+    assert len(cached) == 1 and json.loads(cached[0].read_text()) == spec
+    assert spec["options"]["--inner-lr"] == {"kind": "value", "default": "0.0004"}
+    assert spec["options"]["--solo"]["kind"] == "bool" and spec["options"]["--initial-peer"]["kind"] == "list"
+    cached[0].write_text(json.dumps({**spec, "options": {}}))  # a table without every flag is not used
+    assert cli_args.option_spec(cache_dir=tmp_path) == spec
+
+
+def test_help_shows_defaults_and_unknown_flags_blame_the_command(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["peer", "--help"], ["swarm", "--help"]):
+        with pytest.raises(SystemExit):
+            build_parser(argv).parse_args(argv)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "inner AdamW learning rate (default: 0.0004) [env SWARMLOCO_INNER_LR]" in out
+    assert "number of peer processes (default: 3)" in out
+    with pytest.raises(SystemExit) as exc:
+        parse(["peer", "--rounds", "3"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.startswith("usage: swarmloco peer")
+    assert "unrecognized arguments: --rounds 3 (did you mean --max-rounds?)" in err
+
+
+def test_only_the_chosen_command_gets_its_flags() -> None:
+    parser = build_parser(["status", "--coordinator", "http://x"])
+    assert parser.parse_args(["status", "--coordinator", "http://x"]).rounds == 10
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert len(sub.choices["peer"]._actions) == 1  # only -h: the peer's table was not built
+
+
+def test_a_listening_port_is_taken_and_a_free_one_is_not() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        port = sock.getsockname()[1]
+        assert port_taken("127.0.0.1", port) and port_taken("0.0.0.0", port)
+    assert port_taken("127.0.0.1", 0) is None
+    assert tcp_listen_addresses(["/ip4/0.0.0.0/tcp/31337", "/ip6/::/tcp/0", "/ip4/1.2.3.4/udp/9/quic"]) == [
+        ("/ip4/0.0.0.0/tcp/31337", "0.0.0.0", 31337), ("/ip6/::/tcp/0", "::", 0)]
