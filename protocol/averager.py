@@ -203,10 +203,13 @@ class Averager:
         steps, matchmaker = self.steps, self.matchmaker
         if steps is None or matchmaker is None:
             return
+        async def ban(peer: str, why: str) -> None:  # on the loop, where the matchmaker reads it
+            matchmaker.banned[peer] = why[:300]
+
         for peer, why in result.cheaters.items():
             if peer != self.transport.peer_id:
                 steps.ban(peer, why)
-                self.transport.loop.call_soon_threadsafe(matchmaker.banned.__setitem__, peer, why[:300])
+                self.transport.call(ban(peer, why), timeout=self.cfg.control_timeout_s)
         if group.is_leader and result.blame and result.blame != group.me and result.blame not in result.cheaters:
             steps.suspend(result.blame, group.round, result.reason)
 

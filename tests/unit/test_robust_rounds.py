@@ -1,0 +1,110 @@
+"""Attacks on a round's data on the in-memory transport: a poisoned contribution, cheating reducers (a wrong
+shard, a shard 1000× too long, different shards for different members), and bits flipped on the way.
+
+Each defence has its control: the plain mean lets the poison through, and the checks it proves are the ones that
+name the cheater (take one out and the test fails)."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from _fake_rounds import NUMEL, by_rank, peers, round_from_heads, whole_round
+
+from protocol import swarmloco_wire_pb2 as pb
+from protocol.pipes import Pipe
+from protocol.rounds import Outcome
+from protocol.testing.fake import FakeNetwork
+from protocol.testing.faults import FaultInjector
+
+pytestmark = pytest.mark.timeout(60)
+HONEST_MEAN = (1 + 2 + 3) / 3  # members 0..2 send Δ = i + 1 everywhere, with equal tokens
+
+
+@pytest.fixture
+def net() -> Iterator[FakeNetwork]:
+    with FakeNetwork() as n:
+        yield n
+
+
+def _with_attacker(net: FakeNetwork, spec: str, **cfg: object) -> tuple[list, list]:
+    """Four peers in leader order, the last one (never the leader) hostile (`spec` as in SWARMLOCO_FAULTS);
+    returns (averagers, [(result, applied)])."""
+    averagers = by_rank(peers(net, 4, quorum=3, **cfg))
+    bad = averagers[3]
+    bad.hooks = FaultInjector.parse(spec)
+    assert bad.steps is not None
+    bad.steps.hooks = bad.hooks
+    results, applied = whole_round(averagers)
+    return averagers, list(zip(results, applied, strict=True))
+
+
+@pytest.mark.parametrize("attack", ["negate1000", "random1000"])
+def test_a_poisoned_contribution_weighs_nothing_under_the_robust_rule(net: FakeNetwork, attack: str) -> None:
+    _, out = _with_attacker(net, f"contribute={attack}@*")
+    leader_led = [r for r, _ in out]
+    assert all(r.outcome == Outcome.COMMITTED for r in leader_led), [r.reason for r in leader_led]
+    average = out[0][1].calls[0]
+    # the hostile Δ was admitted (it is well-formed, with 1000× the tokens, capped), and dropped from every shard
+    assert torch.allclose(average, torch.full((NUMEL,), HONEST_MEAN)), average[:4]
+
+
+def test_the_plain_mean_lets_the_poison_through_the_control(net: FakeNetwork) -> None:
+    _, out = _with_attacker(net, "contribute=negate1000@*", aggregator="mean")
+    committed = [a.calls[0] for r, a in out if r.outcome == Outcome.COMMITTED]
+    assert committed and float(committed[0].abs().max()) > 100 * HONEST_MEAN
+
+
+@pytest.mark.parametrize(("cheat", "evidence"), [("flip", "not the combination"), ("noise1000", "exceeds"),
+                                                 ("equivocate", "equivocation")])
+def test_a_cheating_reducer_is_convicted_and_banned_and_the_swarm_goes_on(net: FakeNetwork, cheat: str,
+                                                                         evidence: str) -> None:
+    averagers, out = _with_attacker(net, f"reduce={cheat}@*")
+    bad = averagers[3].transport.peer_id
+    honest = [r for r, _ in out[:3]]
+    assert all(r.outcome == Outcome.DISCARDED for r in honest), [r.reason for r in honest]
+    # equivocation: only the members that got the variant see it at once; all of them learn it from the reveal
+    assert all(bad in r.cheaters and evidence in r.cheaters[bad] for r in honest), [r.cheaters for r in honest]
+    assert all(not a.holds_new_state for _, a in out)  # nothing applied stayed applied
+    assert all(bad in a.steps.banned and bad in a.matchmaker.banned for a in averagers[:3])
+    # the next round: the three honest peers commit without it (it is refused as leader, member and contributor)
+    again, _ = round_from_heads(averagers[:3])
+    assert all(r.outcome == Outcome.COMMITTED and bad not in r.members for r in again), [r.reason for r in again]
+
+
+def test_bits_flipped_on_the_way_are_caught_and_blame_nobody(net: FakeNetwork, monkeypatch) -> None:
+    """A relay that flips one bit of every reduced shard: the signature no longer covers the bytes, the round is
+    discarded with nothing applied, and no reducer is convicted (anyone on the path could have done it)."""
+    original = Pipe.recv
+
+    async def tampered(self: Pipe, header_type, *, max_payload: int, timeout: float):
+        header, body = await original(self, header_type, max_payload=max_payload, timeout=timeout)
+        if header_type is pb.ShardResult and body:
+            body[len(body) // 2] ^= 0x01
+        return header, body
+
+    monkeypatch.setattr(Pipe, "recv", tampered)
+    averagers = by_rank(peers(net, 3, quorum=2))
+    results, applied = whole_round(averagers)
+    assert all(r.outcome == Outcome.DISCARDED and "altered on the way" in r.reason for r in results), \
+        [r.reason for r in results]
+    assert all(not r.cheaters for r in results) and all(not a.holds_new_state for a in applied)
+
+
+def test_a_part_with_a_flipped_bit_drops_only_its_sender(net: FakeNetwork, monkeypatch) -> None:
+    original = Pipe.recv
+    victim: list[str] = []
+
+    async def tampered(self: Pipe, header_type, *, max_payload: int, timeout: float):
+        header, body = await original(self, header_type, max_payload=max_payload, timeout=timeout)
+        if header_type is pb.ShardPart and body and self.peer == victim[0]:
+            body[0] ^= 0x80
+        return header, body
+
+    monkeypatch.setattr(Pipe, "recv", tampered)
+    averagers = by_rank(peers(net, 4, quorum=3))
+    victim.append(averagers[3].transport.peer_id)
+    results, _ = whole_round(averagers)
+    good = results[:3]
+    assert all(r.outcome == Outcome.COMMITTED and victim[0] not in r.members for r in good), [r.reason for r in good]
+    assert "signature does not cover" in good[0].excluded[victim[0]]
