@@ -10,6 +10,7 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
+PEER_ID_PREFIXES = ("12D3KooW", "Qm")  # libp2p ids of an Ed25519 and of an RSA key
 
 
 class Progress:
@@ -58,7 +59,7 @@ class Progress:
             self.stream.write(json.dumps({"event": name, "time": time.time(), **fields}, default=str) + "\n")
             self.stream.flush()
             return
-        text = f"[{name}] " + " ".join(f"{k}={v}" for k, v in fields.items())
+        text = f"[{name}] " + " ".join(f"{k}={_short(v)}" for k, v in fields.items() if not k.endswith("_full"))
         if self.bar is not None:
             self.bar.write(text, file=self.stream)
         else:
@@ -68,6 +69,16 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _short(value: Any) -> Any:
+    """A value as a person reads it in one line: collections by their size, a peer id by its last characters (the
+    JSON log keeps everything in full)."""
+    if isinstance(value, (list, tuple, dict, set)):
+        return len(value)
+    if isinstance(value, str) and value.startswith(PEER_ID_PREFIXES) and len(value) > 40:
+        return "…" + value[-8:]
+    return value
 
 
 def round_float(x: float, digits: int = 5) -> float:

@@ -101,6 +101,7 @@ class Reporter:
         self._thread: threading.Thread | None = None
         self._next_heartbeat = time.monotonic() + self.config.heartbeat_interval_s
         self._last_heartbeat_body: dict[str, Any] = {}
+        self._warned_unreachable = False
 
     # -- public API (never blocks) ---------------------------------------------------------------------------
 
@@ -277,8 +278,16 @@ class Reporter:
             resp = session.post(self.url, data=report.encode(), headers={"Content-Type": "application/json"},
                                 timeout=(self.config.connect_timeout_s, self.config.read_timeout_s))
         except requests.RequestException as e:
-            logger.debug("coordinator unreachable (%s); will retry", type(e).__name__)
+            if not self._warned_unreachable:
+                # Said once, at the first failure: a mistyped --coordinator should not wait for the exit to show.
+                self._warned_unreachable = True
+                logger.warning("cannot reach the coordinator at %s (%s): training goes on, reports are retried in "
+                               "the background; check --coordinator", self.url.removesuffix("/api/reports"),
+                               type(e).__name__)
+            else:
+                logger.debug("coordinator unreachable (%s); will retry", type(e).__name__)
             return None
+        self._warned_unreachable = False  # reachable again: warn again if it goes away
         if 400 <= resp.status_code < 500 and resp.status_code not in _RETRYABLE_4XX:
             logger.warning("coordinator refused %s report %s: %d %s", report.kind, report.nonce, resp.status_code,
                            resp.text[:300])

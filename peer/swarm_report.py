@@ -67,6 +67,11 @@ class SwarmReports:
         if self.reporter is None:
             return
         members = list(entry.get("members") or [])
+        if not members:
+            # A round given up before any group formed has nothing a coordinator could record (its reports need
+            # members); the peer's own log already says why.
+            logger.debug("round %s ended without a group (%s); not reported", entry.get("round"), entry.get("reason"))
+            return
         weights = list(entry.get("weights") or [])
         if len(weights) != len(members):
             weights = [0] * len(members)

@@ -40,6 +40,7 @@ AUTHORITY_KEY = "authority.key"  # a local swarm without a coordinator: the run'
 # glibc gives every thread that allocates its own arena (up to 8 per core); a peer has a dozen threads and barely
 # allocates in most of them. (p2pd's ~60 MB is not its Go heap: GOGC and GOMEMLIMIT do not move it.)
 LEAN_ENV = {"MALLOC_ARENA_MAX": "2"}
+PROGRESS_EVERY_S = 10.0  # while no round commits, how often the launcher says where the swarm is
 
 
 def add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
@@ -186,6 +187,8 @@ class Swarm:
             if time.monotonic() - self.started > args.timeout:
                 raise TimeoutError(f"only {len(joined)} of {args.peers} peers joined within {args.timeout:.0f}s")
         print(f"started {args.peers} peers ({args.spawn}); logs in {self.root}/peer-*/log.jsonl", flush=True)
+        print(f"round 1: waiting until all {args.peers} peers see each other, then training {args.inner_steps} inner "
+              f"steps each before they average (a line every {PROGRESS_EVERY_S:.0f}s)", flush=True)
 
     def sample_memory(self) -> None:
         if not self.args.memory_every or time.monotonic() - self._last_sample < self.args.memory_every:
@@ -196,7 +199,7 @@ class Swarm:
 
     def watch(self) -> None:
         args = self.args
-        last_kill = time.monotonic()
+        last_kill = last_progress = time.monotonic()
         done_at: float | None = None  # when the last requested round was committed
         while any(p.alive() for p in self.peers):
             time.sleep(0.5)
@@ -206,10 +209,14 @@ class Swarm:
                     if e.get("event") == "round" and e.get("outcome") == "committed" and \
                             int(e["round"]) > self.best_round:
                         self.best_round = int(e["round"])
+                        last_progress = time.monotonic()
                         print(f"round {self.best_round}/{args.rounds} committed by {e.get('member_count')} peers"
                               f" | eval loss {e.get('eval_loss')} | hash {str(e.get('state_hash'))[:12]}"
                               f" | train {e.get('train_s')}s wait {e.get('wait_s')}s average {e.get('average_s')}s"
                               f" | {time.monotonic() - self.started:.0f}s", flush=True)
+            if self.best_round < args.rounds and time.monotonic() - last_progress >= PROGRESS_EVERY_S:
+                last_progress = time.monotonic()
+                print(self.progress_line(), flush=True)
             elapsed = time.monotonic() - self.started
             if elapsed > args.timeout:
                 logger.error("swarm did not finish within %.0fs; stopping peers", args.timeout)
@@ -225,6 +232,13 @@ class Swarm:
             if args.kill_every and time.monotonic() - last_kill >= args.kill_every and self.best_round < args.rounds:
                 self.chaos(elapsed)
                 last_kill = time.monotonic()
+
+    def progress_line(self) -> str:
+        """Where round best+1 stands: each live peer's inner steps so far (a silent minute says nothing)."""
+        steps = [int(p.last_step.get("step", 0)) for p in self.peers if p.alive()]
+        shown = ", ".join(map(str, steps)) or "none alive"
+        return (f"round {self.best_round + 1}/{self.args.rounds}: training or averaging; inner steps per peer: "
+                f"{shown} ({self.args.inner_steps} per round) | {time.monotonic() - self.started:.0f}s")
 
     def chaos(self, elapsed: float) -> None:
         victims = [p for p in self.peers if p.alive()]
@@ -320,6 +334,9 @@ def run_swarm(args: argparse.Namespace) -> int:
     if mem.get("peak_total_pss_mb"):
         print(f"memory: peak {mem['peak_total_pss_mb']:.0f} MB PSS for the whole swarm, "
               f"{mem['peak_total_pss_mb'] / args.peers:.0f} MB per peer", flush=True)
+    if swarm.coordinator is not None:
+        print(f"the dashboard stopped with the swarm; to browse this run again: swarmloco coordinator --db "
+              f"{swarm.root / 'coordinator.sqlite'} --run-id {args.run_id} --no-dht", flush=True)
     print(
         f"done: {len(rounds)} rounds, eval loss {summary['initial_eval_loss']} -> {summary['final_eval_loss']},"
         f" {'all hashes equal' if ok else 'SEE SUMMARY: not every round agreed'}",

@@ -43,6 +43,7 @@ class PeerProc:
     events: list[dict[str, Any]] = field(default_factory=list)
     restarts: int = 0
     spawner: Spawner | None = None  # None: exec a fresh interpreter (Popen)
+    last_step: dict[str, Any] = field(default_factory=dict)  # the newest "step" event: progress, never kept
 
     @property
     def log(self) -> Path:
@@ -87,7 +88,11 @@ class PeerProc:
                 event = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if isinstance(event, dict) and event.get("event") != "step":
+            if not isinstance(event, dict):
+                continue
+            if event.get("event") == "step":
+                self.last_step = event
+            else:
                 new.append(event)
         self.events.extend(new)
         return new

@@ -1,0 +1,93 @@
+"""The quieter first-hour problems, each said once and in plain words: a coordinator that cannot be reached, round
+lines a person can read, rounds without a group, an earlier checkpoint, and where a local swarm stands."""
+from __future__ import annotations
+
+import argparse
+import io
+import logging
+import time
+from pathlib import Path
+
+import pytest
+
+from peer.config import PeerConfig, RunConfig
+from peer.preflight import set_aside_checkpoint
+from peer.progress import Progress
+from peer.reporting import Reporter, ReporterConfig
+from peer.swarm_report import SwarmReports
+from protocol.identity import load_or_create_identity
+from scripts.swarm import Swarm
+
+ID = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+
+
+def test_unreachable_coordinator_is_said_at_the_first_failure(tmp_path: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    reporter = Reporter("http://127.0.0.1:9", load_or_create_identity(tmp_path / "id.key"), "run",
+                        config=ReporterConfig(backoff_initial_s=0.01, backoff_max_s=0.02, heartbeat_interval_s=0))
+    with caplog.at_level(logging.WARNING, logger="peer.reporting"):
+        reporter.start()
+        reporter.heartbeat(round=1)
+        deadline = time.monotonic() + 10
+        while reporter.stats.attempts_failed < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        reporter.close(timeout=0.5, reason=None)
+    said = [r.getMessage() for r in caplog.records if "cannot reach the coordinator" in r.getMessage()]
+    assert reporter.stats.attempts_failed >= 3 and len(said) == 1, said
+    assert "http://127.0.0.1:9 (ConnectionError): training goes on" in said[0] and "check --coordinator" in said[0]
+
+
+def test_text_round_line_is_short_and_the_json_line_complete() -> None:
+    fields = {"round": 3, "leader": ID, "members": [ID, ID], "weights": {ID: 1.0}, "state_hash": "ab" * 8,
+              "state_hash_full": "ab" * 32, "eval_loss": 4.1}
+    text, js = io.StringIO(), io.StringIO()
+    Progress(log_format="text", stream=text).event("round", **fields)
+    Progress(log_format="json", stream=js).event("round", **fields)
+    assert text.getvalue() == f"[round] round=3 leader=…{ID[-8:]} members=2 weights=1 state_hash={'ab' * 8} " \
+                              "eval_loss=4.1\n"
+    assert "ab" * 32 in js.getvalue() and js.getvalue().count(ID) == 4
+
+
+def test_a_round_without_a_group_is_not_reported(caplog: pytest.LogCaptureFixture) -> None:
+    reports = SwarmReports.__new__(SwarmReports)
+
+    class Recorder:
+        calls: list[dict[str, object]] = []
+
+        def report_round(self, **kw: object) -> None:
+            self.calls.append(kw)
+
+    reports.reporter = Recorder()
+    with caplog.at_level(logging.WARNING):
+        reports.round({"round": 2, "outcome": "discarded", "reason": "no group formed", "members": []})
+    assert Recorder.calls == [] and not caplog.records
+
+
+def test_an_earlier_checkpoint_is_moved_aside_without_resume(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "state.json").write_text("{}")
+    cfg = PeerConfig(run=RunConfig(workdir=str(tmp_path), resume=True))
+    assert set_aside_checkpoint(cfg) is None and (checkpoint / "state.json").exists()
+    cfg = PeerConfig(run=RunConfig(workdir=str(tmp_path)))
+    assert set_aside_checkpoint(cfg) == tmp_path / "checkpoint.previous"
+    assert (tmp_path / "checkpoint.previous" / "state.json").exists() and not checkpoint.exists()
+    assert set_aside_checkpoint(cfg) is None  # nothing left to move
+
+
+def test_launcher_progress_line_names_every_live_peers_steps(tmp_path: Path) -> None:
+    args = argparse.Namespace(workdir=str(tmp_path), peers=2, threads=1, rounds=5, inner_steps=30, memory_every=0)
+    swarm = Swarm(args, [1.0, 1.0])
+
+    class Alive:
+        pid = 1
+
+        def poll(self) -> None:
+            return None
+
+    from scripts.swarm_procs import PeerProc
+
+    swarm.peers = [PeerProc(i, tmp_path / f"peer-{i}", [], proc=Alive()) for i in range(2)]  # type: ignore[arg-type]
+    swarm.peers[0].last_step = {"event": "step", "step": 12}
+    assert swarm.progress_line().startswith("round 1/5: training or averaging; inner steps per peer: 12, 0 "
+                                            "(30 per round) | ")
