@@ -38,7 +38,9 @@ def sources_key(root: Path = PACKAGE_ROOT) -> str:
 
 def option_spec(*, cache_dir: Path | None = None) -> dict[str, Any]:
     """{"sections": [...], "options": {flag: {"kind": "bool"|"list"|"value", "default": text}}}, cached."""
-    path = (cache_dir or _cache_dir()) / f"peer-options-{sources_key()}.json"
+    # one file per checkout (its path's hash first), replaced when that checkout's sources change
+    checkout = hashlib.sha256(str(PACKAGE_ROOT).encode()).hexdigest()[:8]
+    path = (cache_dir or _cache_dir()) / f"peer-options-{checkout}-{sources_key()}.json"
     try:
         spec = json.loads(path.read_text())
         if isinstance(spec, dict) and {o.flag for o in OPTIONS} <= set(spec.get("options", {})):
@@ -50,7 +52,7 @@ def option_spec(*, cache_dir: Path | None = None) -> dict[str, Any]:
     spec = from_dataclasses()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        for old in path.parent.glob("peer-options-*.json"):
+        for old in path.parent.glob(f"peer-options-{checkout}-*.json"):
             old.unlink(missing_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(spec))
