@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
@@ -16,6 +18,21 @@ from protocol.identity import Identity
 from protocol.wire import frame_prefix
 
 pytestmark = pytest.mark.timeout(60)
+T = TypeVar("T")
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run` without marking the main thread's loop as set: later tests build asyncio objects outside a
+    loop, which `asyncio.run` (it ends with `set_event_loop(None)`) would break for them."""
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        left = asyncio.all_tasks(loop)
+        for task in left:
+            task.cancel()
+        if left:
+            loop.run_until_complete(asyncio.wait(left, timeout=5))
+        loop.close()
 RUN = "run-hello"
 
 
@@ -114,7 +131,7 @@ def test_listener_takes_only_signed_fresh_hellos_addressed_to_it_once() -> None:
         finally:
             await plane.close()
 
-    asyncio.run(main())
+    _run(main())
 
 
 def test_one_time_token_takes_only_its_expected_signer() -> None:
@@ -143,7 +160,7 @@ def test_one_time_token_takes_only_its_expected_signer() -> None:
         finally:
             await plane.close()
 
-    asyncio.run(main())
+    _run(main())
 
 
 async def _eventually(check: object, timeout: float = 3.0) -> None:

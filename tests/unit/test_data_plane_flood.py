@@ -10,7 +10,9 @@ import statistics
 import threading
 import time
 from collections import deque
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
@@ -20,6 +22,21 @@ from protocol.data_plane import DataPlane, connect
 from protocol.identity import Identity
 
 pytestmark = pytest.mark.timeout(90)
+T = TypeVar("T")
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run` without marking the main thread's loop as set: later tests build asyncio objects outside a
+    loop, which `asyncio.run` (it ends with `set_event_loop(None)`) would break for them."""
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        left = asyncio.all_tasks(loop)
+        for task in left:
+            task.cancel()
+        if left:
+            loop.run_until_complete(asyncio.wait(left, timeout=5))
+        loop.close()
 RUN = "run-flood"
 LIMITS = HandshakeLimits(pending=32, per_source=8, deadline_s=2.0)
 SOURCES = [f"127.0.0.{i}" for i in range(1, 9)]  # Linux routes all of 127/8 to loopback
@@ -124,7 +141,7 @@ def test_flood_of_silent_and_dripping_connections_leaves_honest_exchange_fast(so
         finally:
             await plane.close()
 
-    times, peak, threads, opened, evicted = asyncio.run(main())
+    times, peak, threads, opened, evicted = _run(main())
     quiet, flooded = times[0], times[1:]
     print(f"\nflood from {len(sources)} source(s): {opened} connections opened, {evicted} pending evicted, "
           f"peak pending {peak}; honest exchange quiet {quiet * 1000:.1f} ms, under flood median "
@@ -160,5 +177,5 @@ def test_dripping_hello_is_cut_at_the_whole_handshake_deadline() -> None:
             sock.close()
             await plane.close()
 
-    took = asyncio.run(main())
+    took = _run(main())
     assert took < 1.2, f"a 0.5 s handshake deadline let a dripping hello live {took:.2f}s"

@@ -7,6 +7,8 @@ import asyncio
 import contextlib
 import socket
 import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import pytest
 
@@ -15,6 +17,21 @@ from protocol.data_plane import DataConn
 from protocol.wire import WireError, frame_prefix, read_frame
 
 pytestmark = pytest.mark.timeout(60)
+T = TypeVar("T")
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run` without marking the main thread's loop as set: later tests build asyncio objects outside a
+    loop, which `asyncio.run` (it ends with `set_event_loop(None)`) would break for them."""
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        left = asyncio.all_tasks(loop)
+        for task in left:
+            task.cancel()
+        if left:
+            loop.run_until_complete(asyncio.wait(left, timeout=5))
+        loop.close()
 TIMEOUT_S = 0.6
 DRIP_S = 0.05  # one byte this often: no single read of the old per-read deadline would take 0.6 s
 
@@ -69,7 +86,7 @@ def test_stream_frame_deadline_is_per_frame_not_per_read() -> None:
             for task in asyncio.all_tasks() - {asyncio.current_task()}:
                 task.cancel()
 
-    took = asyncio.run(main())
+    took = _run(main())
     assert took < TIMEOUT_S + 0.5, f"a {TIMEOUT_S}s frame deadline took {took:.2f}s against a slow drip"
 
 
@@ -95,7 +112,7 @@ def test_data_conn_frame_deadline_is_per_frame_not_per_read() -> None:
             conn.close()
             a.close()
 
-    took = asyncio.run(main())
+    took = _run(main())
     assert took < TIMEOUT_S + 0.5, f"a {TIMEOUT_S}s frame deadline took {took:.2f}s against a slow drip"
 
 
@@ -105,5 +122,5 @@ def test_whole_frame_in_time_is_read() -> None:
         reader.feed_data(_frame())
         return await read_frame(reader, pb.ShardResult, max_payload=64, timeout=TIMEOUT_S)
 
-    header, payload = asyncio.run(main())
+    header, payload = _run(main())
     assert header.round == 7 and payload == bytes(64)
