@@ -210,7 +210,7 @@ def test_bad_sender_excluded_round_succeeds(swarm: Swarm, fault: str, reason: st
 
 
 def test_inflated_weight_is_capped(swarm: Swarm) -> None:
-    """A member claiming 1e12 tokens is capped at weight_cap_factor × the leader's own."""
+    """A member claiming 1e12 tokens is capped at weight_cap_factor × the group's median claim."""
     ids = swarm.identities(3)
     (_, low), (_, mid), (greedy_id, high) = ids
     swarm.start("a", identity=low, rounds=2, wait_for=3)
@@ -225,8 +225,10 @@ def test_inflated_weight_is_capped(swarm: Swarm) -> None:
     assert first["member_count"] == 3, first
     # the leader lists members sorted by id
     by_peer = dict(zip(sorted(pid for pid, _ in ids), first["weights"], strict=True))
-    leader_own = by_peer[first["leader"]]  # the leader is never stale: its weight is its own token count
-    assert 0 < by_peer[greedy_id] <= 8 * leader_own + 1 and by_peer[greedy_id] < 10**6, first
+    # the (lower) median of three claims, one of them 1e12, is the larger honest claim; its weight here may carry
+    # a staleness discount (at most 0.5² with --max-staleness 2), hence 4 × 4
+    median = max(w for p, w in by_peer.items() if p != greedy_id)
+    assert 0 < by_peer[greedy_id] <= 16 * median + 1 and by_peer[greedy_id] < 10**6, first
     assert_no_split(swarm, ["a", "b", "greedy"])
 
 

@@ -1,0 +1,106 @@
+"""Poisoned contributions and cheating reducers against real honest peers: one hostile peer of four, built from
+the project's own code (a `SWARMLOCO_FAULTS` fault injector), admitted like the others.
+
+- Δ × −1000 and a random Δ 1000× as long, each claiming 1000× the tokens, every round: with the robust aggregator
+  the honest peers' final eval loss stays within 5% of a clean run of the same settings; with the plain mean (the
+  control) it does not.
+- A reducer that signs and sends −(its true shard), one that sends noise 1000× as long, and one that sends half
+  the members a different shard than the others: no round with its result is certified, the honest peers ban it,
+  and later rounds commit without it.
+
+On the code before signed results, audits and robust aggregation, the poisoned runs end with an eval loss many
+times the clean one (or a NaN), and the cheating reducers' shards are committed.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from swarm_harness import Swarm, assert_no_split
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+ROUNDS = 5
+HONEST = ["a", "b", "c"]
+
+
+@pytest.fixture
+def swarm(tmp_path: Path) -> Iterator[Swarm]:
+    s = Swarm(tmp_path)
+    try:
+        yield s
+    finally:
+        s.close()
+        s.assert_nothing_left()
+
+
+def _run(swarm: Swarm, *, faults: str = "", extra: tuple[str, ...] = (), rounds: int = ROUNDS) -> dict[str, Any]:
+    """Three honest peers and a fourth (hostile when `faults` is set) train `rounds` rounds; returns per honest
+    peer its committed rounds, last eval loss, exit code and the round events."""
+    ids = swarm.identities(4)
+    for name, (_, identity) in zip(HONEST, ids[:3], strict=True):
+        swarm.start(name, *extra, identity=identity, rounds=rounds, quorum=3, wait_for=4)
+    swarm.start("x", *extra, identity=ids[3][1], faults=faults, rounds=rounds + 3, quorum=3, wait_for=4)
+    # the honest peers stop after `rounds`; the hostile one (banned, alone) is stopped by the fixture
+    swarm.wait_for(lambda: all(swarm.peers[n].proc.poll() is not None for n in HONEST), 420, "the honest peers")
+    codes = {n: swarm.peers[n].proc.poll() for n in HONEST}
+    out: dict[str, Any] = {"codes": codes, "hostile": ids[3][0]}
+    for name in HONEST:
+        rounds_ = [e for e in swarm.events(name, "round") if e.get("outcome") == "committed"]
+        losses = [e["eval_loss"] for e in rounds_ if e.get("eval_loss") is not None]
+        out[name] = {"committed": len(rounds_), "loss": losses[-1] if losses else math.nan,
+                     "events": swarm.events(name, "round")}
+    return out
+
+
+def _loss(run: dict[str, Any]) -> float:
+    return max(run[n]["loss"] for n in HONEST)
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> float:
+    s = Swarm(tmp_path_factory.mktemp("clean"))
+    try:
+        run = _run(s)
+        assert all(c == 0 for c in run["codes"].values()), s.tails()
+        assert all(run[n]["committed"] == ROUNDS for n in HONEST), s.tails()
+        return _loss(run)
+    finally:
+        s.close()
+        s.assert_nothing_left()
+
+
+@pytest.mark.parametrize("attack", ["negate1000", "random1000"])
+def test_robust_aggregation_keeps_the_model_within_5_percent_of_a_clean_run(swarm: Swarm, clean: float,
+                                                                            attack: str) -> None:
+    run = _run(swarm, faults=f"contribute={attack}@*")
+    assert all(c == 0 for c in run["codes"].values()), swarm.tails()
+    assert all(run[n]["committed"] == ROUNDS for n in HONEST), swarm.tails()
+    loss = _loss(run)
+    assert math.isfinite(loss) and loss <= 1.05 * clean, (loss, clean)
+    # the hostile Δ was in the rounds (it was not refused as malformed), it just weighed nothing
+    assert any(run["hostile"] in e.get("members", []) for n in HONEST for e in run[n]["events"])
+    assert_no_split(swarm, HONEST)
+
+
+def test_plain_mean_is_poisoned_the_control(swarm: Swarm, clean: float) -> None:
+    run = _run(swarm, faults="contribute=negate1000@*", extra=("--aggregator", "mean"))
+    losses = [run[n]["loss"] for n in HONEST]
+    crashed = any(c != 0 for c in run["codes"].values())
+    assert crashed or not all(math.isfinite(x) for x in losses) or min(losses) > 1.5 * clean, (losses, clean)
+
+
+@pytest.mark.parametrize("cheat", ["flip", "equivocate"])  # (noise1000: tests/unit/test_robust_rounds.py)
+def test_a_cheating_reducer_is_never_certified_and_is_banned(swarm: Swarm, cheat: str) -> None:
+    run = _run(swarm, faults=f"reduce={cheat}@*")
+    hostile = run["hostile"]
+    assert all(c == 0 for c in run["codes"].values()), swarm.tails()
+    for name in HONEST:
+        events = run[name]["events"]
+        # no certified round ever has the cheater among its contributors
+        assert not any(e.get("outcome") == "committed" and hostile in e.get("members", []) for e in events), events
+        assert any(hostile in e.get("cheaters", {}) for e in events), events
+        assert run[name]["committed"] == ROUNDS, swarm.tails()
+    assert_no_split(swarm, HONEST)
