@@ -239,6 +239,8 @@ class DataPlane:
             task = loop.create_task(self._handshake(sock))
             self._pending.add(task, str(addr[0]))  # may cancel the oldest pending handshakes to make room
             task.add_done_callback(self._pending.done)
+            # A handshake cancelled before it ever ran cannot close its socket itself.
+            task.add_done_callback(lambda t, s=sock: s.close() if t.cancelled() else None)
 
     async def _handshake(self, sock: socket.socket) -> None:
         """On the loop: the whole hello within the deadline, then the route's checks; only then a `DataConn`."""
