@@ -237,7 +237,7 @@ class Swarm:
         """Where round best+1 stands: each live peer's inner steps so far (a silent minute says nothing)."""
         steps = [int(p.last_step.get("step", 0)) for p in self.peers if p.alive()]
         shown = ", ".join(map(str, steps)) or "none alive"
-        return (f"round {self.best_round + 1}/{self.args.rounds}: training or averaging; inner steps per peer: "
+        return (f"round {self.best_round + 1}/{self.args.rounds}: training or averaging; inner steps so far per peer: "
                 f"{shown} ({self.args.inner_steps} per round) | {time.monotonic() - self.started:.0f}s")
 
     def chaos(self, elapsed: float) -> None:

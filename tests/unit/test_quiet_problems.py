@@ -89,5 +89,5 @@ def test_launcher_progress_line_names_every_live_peers_steps(tmp_path: Path) -> 
 
     swarm.peers = [PeerProc(i, tmp_path / f"peer-{i}", [], proc=Alive()) for i in range(2)]  # type: ignore[arg-type]
     swarm.peers[0].last_step = {"event": "step", "step": 12}
-    assert swarm.progress_line().startswith("round 1/5: training or averaging; inner steps per peer: 12, 0 "
+    assert swarm.progress_line().startswith("round 1/5: training or averaging; inner steps so far per peer: 12, 0 "
                                             "(30 per round) | ")
