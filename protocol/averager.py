@@ -103,7 +103,7 @@ class Averager:
             self.data_plane = DataPlane(bind_host=hosts[0], advertise_hosts=hosts[1])
             await self.data_plane.start()
         router = ShardRouter(self.transport, self.data_plane, max_group=self.cfg.max_group,
-                             control_timeout=self.cfg.control_timeout_s)
+                             control_timeout=self.cfg.control_timeout_s, identity=self.credentials.identity)
         await router.register()
         self.steps = RoundSteps(self.transport, self.cfg, self.model, chain=self.chain, credentials=self.credentials,
                                 codec=self.codec, router=router, hooks=self.hooks, use_tcp=hosts is not None)
@@ -127,6 +127,8 @@ class Averager:
             assert self.matchmaker is not None
             self.chain.set_head(head)
             self.matchmaker.set_state(head.round, head.state_hash, head.seed)
+            if self.steps is not None:  # every certified state we held: what a stale Δ may be based on
+                self.steps.remember(head)
 
         self.transport.call(apply(), timeout=self.cfg.control_timeout_s)
 

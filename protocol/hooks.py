@@ -27,6 +27,10 @@ class Hooks:
     def before_commit(self, round_number: int) -> None:
         """The leader holds the average; nobody has the result yet."""
 
+    def send_delay(self, round_number: int) -> float:
+        """Seconds to sit on each part and each reduced shard before sending it (a member that stalls)."""
+        return 0.0
+
     def reduced_shard(self, round_number: int, shard: int, reduced: torch.Tensor) -> torch.Tensor:
         """The shard this peer reduced, before it is signed and sent to every member."""
         return reduced

@@ -64,6 +64,11 @@ class RoundSteps:
                     why[:200])
         self.suspended[peer] = round_number + SUSPEND_ROUNDS
 
+    def remember(self, head: Head) -> None:
+        self.history[head.round] = head.state_hash
+        for old in [r for r in self.history if r < head.round - HISTORY]:
+            del self.history[old]
+
     def _base_known(self, prev: Head) -> Callable[[int, str], bool]:
         return lambda r, h: (r == prev.round and h == prev.state_hash) or (r < prev.round and self.history.get(r) == h)
 
@@ -71,9 +76,7 @@ class RoundSteps:
     async def exchange(self, group: Group, delta: torch.Tensor, tokens: int, staleness: int,
                        prev: Head) -> tuple[Plan, Reduced]:
         d = self.deadlines
-        self.history[prev.round] = prev.state_hash
-        for old in [r for r in self.history if r < prev.round - HISTORY]:
-            del self.history[old]
+        self.remember(prev)
         inbox = self.router.open(group.round)
         nonce = secrets.token_bytes(NONCE_BYTES)
 
@@ -90,7 +93,8 @@ class RoundSteps:
             signing = Signing(run_id=self.transport.run_id, identity=self.credentials.identity, leader=group.leader,
                               plan_id=plan_digest(plan.to_pb()), plan_signature=plan.signature, rule=self.cfg.rule,
                               probes=self.cfg.audit_probes, nonce=nonce,
-                              commits=tuple(c.audit_commit for c in plan.claims), hooks=self.hooks)
+                              commits=tuple(c.audit_commit for c in plan.claims), hooks=self.hooks,
+                              grace_floor=d.control)
             reduced = await reduce_shards(plan, delta, me=group.me, codec=self.codec, router=self.router,
                                           inbox=inbox, timeouts=ShardTimeouts(connect=d.control, transfer=d.transfer),
                                           use_tcp=self.use_tcp, after_parts=after_parts, signing=signing,

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Awaitable
+from typing import TypeVar
 
 import torch
 
@@ -23,6 +26,27 @@ from protocol.robust import aggregate, coefficients, coefficients_ok, norm, norm
 from protocol.wire import WireError, frame_bytes
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+async def gather_with_grace(coros: list[Awaitable[T]], *, have: int, need: int, floor: float) -> list[T | None]:
+    """Await every coroutine, but once `need` results are in (counting `have` already held), give the rest at most
+    max(floor, 2 × the time taken so far): a member that stalls its sends costs the round seconds, not its
+    deadline. Results cut off are None (their coroutines are cancelled)."""
+    started = time.monotonic()
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    pending = set(tasks)
+    try:
+        while pending:
+            if have + len(tasks) - len(pending) >= need:
+                grace = max(floor, 2 * (time.monotonic() - started))
+                _, pending = await asyncio.wait(pending, timeout=grace)
+                break
+            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in pending:
+            t.cancel()
+    return [None if t in pending or t.cancelled() else t.result() for t in tasks]
 
 
 def reduce_shard(plan: Plan, k: int, members: tuple[str, ...], parts: dict[str, torch.Tensor],
@@ -72,6 +96,8 @@ async def exchange_results(plan: Plan, k: int, out, parts: dict[str, torch.Tenso
         if variant is not reduced:  # a test harness playing an equivocating reducer: its own, signed, variant
             h, body = await loop.run_in_executor(None, signed_result, variant)
         try:
+            if delay := signing.hooks.send_delay(plan.round):
+                await asyncio.sleep(delay)
             sent = await out.pipes[peer].send(h, body, timeout=timeout)
             out.sent += sent
         except WireError as exc:
@@ -127,8 +153,12 @@ async def exchange_results(plan: Plan, k: int, out, parts: dict[str, torch.Tenso
         return "", ""
 
     others = [i for i in range(len(plan.members)) if i != k]
-    _, outcomes = await asyncio.gather(asyncio.gather(*(send_one(plan.members[i]) for i in others)),
-                                       asyncio.gather(*(receive_one(i) for i in others)))
+    n = len(plan.members)
+    _, outcomes = await asyncio.gather(
+        asyncio.gather(*(send_one(plan.members[i]) for i in others)),
+        gather_with_grace([receive_one(i) for i in others], have=1, need=n // 2 + 1, floor=signing.grace_floor))
+    outcomes = [o or (f"{plan.members[i][-8:]} is too slow: its shard {i} did not come within the grace after a "
+                      "majority had", "") for i, o in zip(others, outcomes, strict=True)]
     lost = [(plan.members[i], problem, proof) for i, (problem, proof) in zip(others, outcomes, strict=True) if problem]
     if lost:
         cheaters = {peer: proof for peer, _, proof in lost if proof}

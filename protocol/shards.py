@@ -41,7 +41,7 @@ from protocol.payloads import digest, part_body, plan_body, sign, signed
 from protocol.pipes import Inbox, Pipe, ShardRouter
 from protocol.plans import Plan
 from protocol.robust import Rule
-from protocol.shard_results import exchange_results
+from protocol.shard_results import exchange_results, gather_with_grace
 from protocol.wire import WireError, frame_bytes
 
 logger = logging.getLogger(__name__)
@@ -82,6 +82,7 @@ class Signing:
     nonce: bytes  # behind our audit commitment
     commits: tuple[str, ...]  # every member's audit commitment, plan order
     hooks: Hooks = field(default_factory=Hooks)
+    grace_floor: float = 10.0  # the least a straggler is waited for once a majority's frames are in
 
 
 Settle = Callable[[list[str], dict[str, str]], Awaitable[tuple[str, ...]]]
@@ -139,10 +140,11 @@ def _own_as_decoded(plan: Plan, k: int, own: torch.Tensor, codec: Codec,
     out = []
     for j in range(len(plan.members)):
         s = plan.shard(j)
-        if j == k or codec.lossless or j not in sent:
+        try:
+            lossy = j != k and not codec.lossless and j in sent
+            out.append(codec.decode(bytearray(sent[j]), s.stop - s.start) if lossy else own[s])
+        except CodecError:  # our part of shard j could not be encoded (a non-finite Δ): it was refused anyway
             out.append(own[s])
-        else:
-            out.append(codec.decode(bytearray(sent[j]), s.stop - s.start))
     return out
 
 
@@ -221,6 +223,8 @@ async def _gather_parts(plan: Plan, k: int, own: torch.Tensor, out: Reduced, *, 
             assert encoding is not None
             header, payload = await encoding
             encoding = loop.run_in_executor(None, encode, order[at + 1]) if at + 1 < len(order) else None
+            if delay := signing.hooks.send_delay(plan.round):
+                await asyncio.sleep(delay)
             sent = await out.pipes[plan.members[j]].send(header, payload, timeout=timeout)
             out.sent += sent  # (never `+= await`: that reads the total before the await, losing concurrent adds)
             out.parts_sent += sent
@@ -260,10 +264,20 @@ async def _gather_parts(plan: Plan, k: int, own: torch.Tensor, out: Reduced, *, 
 
     sending = asyncio.ensure_future(send_parts())
     try:
-        await asyncio.gather(*(receive_part(i) for i in order))
+        async def heard(i: int) -> bool:  # whatever arrived (or failed): not a straggler
+            await receive_part(i)
+            return True
+
+        got_all = await gather_with_grace([heard(i) for i in order], have=1, need=n // 2 + 1,
+                                          floor=signing.grace_floor)
     except RoundAborted:
         sending.cancel()
         raise
+    slow = [plan.members[i] for i, r in zip(order, got_all, strict=True) if r is None]
+    if slow:  # it reduces a shard too: the round cannot wait for it, nor go on without it
+        sending.cancel()
+        raise RoundAborted(f"{slow[0][-8:]} is too slow: its part of shard {k} did not come within the grace after "
+                           "a majority had", blame=slow[0])
     try:
         await sending
     except WireError as exc:

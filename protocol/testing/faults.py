@@ -9,6 +9,8 @@ the first time the phase is reached) runs with a `FaultInjector` as its hooks. P
     contribute=negate1000|random1000   poison: Δ × −1000, or a random Δ 1000× as long, claiming 1000× the tokens
     reduce=flip|noise1000      as a reducer, sign and send −(the true shard), or random noise 1000× as long
     reduce=equivocate          as a reducer, send every other member a different (signed) shard than the rest
+    exchange=stall             sit 8 s on the first part of a round before sending anything (longer than the
+                               grace a test's round gives a straggler; shorter than its transfer deadline)
     serve_state=corrupt        serve random bytes to state downloaders (a lying donor)
 A round of `*` arms the fault for every round.
 Every firing is appended to `fired` and reported through `on_fire` before the action happens.
@@ -27,9 +29,10 @@ from protocol.hooks import Hooks
 
 logger = logging.getLogger(__name__)
 ENV = "SWARMLOCO_FAULTS"
-PHASES = {"inner_step", "member_after_send", "leader_before_commit", "contribute", "reduce", "serve_state"}
+PHASES = {"inner_step", "member_after_send", "leader_before_commit", "contribute", "reduce", "exchange",
+          "serve_state"}
 ACTIONS = {"kill", "nan", "wrong_numel", "inflate", "zero_tokens", "corrupt", "negate1000", "random1000", "flip",
-           "noise1000", "equivocate"}
+           "noise1000", "equivocate", "stall"}
 EVERY = -1  # the round of a fault armed for every round
 
 
@@ -115,9 +118,17 @@ class FaultInjector(Hooks):
             tokens *= 1000
         return delta, tokens
 
+    def send_delay(self, round_number: int) -> float:
+        if getattr(self, "_stalled_round", None) == round_number:
+            return 0.0
+        if self.match("exchange", round_number) != "stall":
+            return 0.0
+        self._stalled_round = round_number
+        return 8.0
+
     def reduced_shard(self, round_number: int, shard: int, reduced: torch.Tensor) -> torch.Tensor:
         action = self.match("reduce", round_number)
-        self._equivocating = action == "equivocate"
+        self._equivocating, self._recipients = action == "equivocate", 0
         if action == "flip":
             return -reduced
         if action == "noise1000":
@@ -126,10 +137,12 @@ class FaultInjector(Hooks):
         return reduced
 
     def shard_result(self, round_number: int, shard: int, peer: str, reduced: torch.Tensor) -> torch.Tensor:
-        # every other recipient (by peer id) gets a slightly different shard, each properly signed
-        if getattr(self, "_equivocating", False) and int(peer[-1], 36) % 2:
-            return reduced * 0.5
-        return reduced
+        # every second recipient gets a different shard, each properly signed (so with two or more recipients,
+        # some hold the true one and some the variant)
+        if not getattr(self, "_equivocating", False):
+            return reduced
+        self._recipients += 1
+        return reduced * 0.5 if self._recipients % 2 == 0 else reduced
 
     def served_state(self, blob: bytes) -> bytes:
         # Armed once, then every download is served corrupt: a donor that lies consistently.

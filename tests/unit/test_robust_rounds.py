@@ -108,3 +108,18 @@ def test_a_part_with_a_flipped_bit_drops_only_its_sender(net: FakeNetwork, monke
     good = results[:3]
     assert all(r.outcome == Outcome.COMMITTED and victim[0] not in r.members for r in good), [r.reason for r in good]
     assert "signature does not cover" in good[0].excluded[victim[0]]
+
+
+def test_a_member_that_stalls_costs_one_short_round_then_sits_out(net: FakeNetwork) -> None:
+    """A member that sits on its parts and its shard: the round is given up a grace after the majority's frames
+    came (not at the 30 s transfer deadline), blaming it; the leader leaves it out of its next plans, and the
+    round after commits without it."""
+    averagers, out = _with_attacker(net, "exchange=stall@*", exchange_timeout_s=30)
+    staller = averagers[3].transport.peer_id
+    assert all(r.outcome == Outcome.DISCARDED for r, _ in out[:3]), [r.reason for r, _ in out]
+    assert all(r.seconds < 7 for r, _ in out[:3]), [r.seconds for r, _ in out]  # the staller sits for 8 s
+    assert any(r.blame == staller and "too slow" in r.reason for r, _ in out[:3]), [r.reason for r, _ in out]
+    again, _ = round_from_heads(averagers)
+    assert all(r.outcome == Outcome.COMMITTED and staller not in r.members for r in again[:3]), \
+        [r.reason for r in again]
+    assert "stalled" in again[3].reason or "excluded" in again[3].reason, again[3].reason
