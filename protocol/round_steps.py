@@ -131,17 +131,23 @@ class RoundSteps:
                                       base_known=self._base_known(prev))
         claims.admitted[me] = Claim.of(own)
         self.suspended = {p: until for p, until in self.suspended.items() if until > group.round}
+        needed = need(group.swarm, self.cfg.quorum)
         for peer in list(claims.admitted):
-            why = self.banned.get(peer) or (f"it stalled or vanished in a recent round (left out until round "
-                                            f"{self.suspended[peer]})" if peer in self.suspended else "")
-            if why and peer != me:
+            if peer in self.banned and peer != me:
                 del claims.admitted[peer]
-                claims.excluded[peer] = f"left out: {why}"
+                claims.excluded[peer] = f"left out: {self.banned[peer]}"
+        # A suspended member (it stalled or vanished lately) sits out only while the round can do without it: in a
+        # small swarm, leaving it out would stop every round, which is worse than risking one.
+        for peer in [p for p in claims.admitted if p in self.suspended and p != me]:
+            if len(claims.admitted) > needed:
+                del claims.admitted[peer]
+                claims.excluded[peer] = (f"left out: it stalled or vanished in a recent round (until round "
+                                         f"{self.suspended[peer]})")
         weights = token_weights({p: (c.tokens, c.staleness) for p, c in claims.admitted.items()}, cfg=self.cfg)
         members = tuple(sorted(weights))
-        if len(members) < need(group.swarm, self.cfg.quorum):
-            raise RoundAborted(f"only {len(members)} of the group contributed; a certificate needs "
-                               f"{need(group.swarm, self.cfg.quorum)}: {claims.excluded}")
+        if len(members) < needed:
+            raise RoundAborted(f"only {len(members)} of the group contributed; a certificate needs {needed}: "
+                               f"{claims.excluded}")
         bounds = shard_bounds(self.model.numel, bandwidth_shares([claims.admitted[p].bandwidth for p in members]))
         plan = Plan(round=group.round, members=members, weights=tuple(weights[p] for p in members), bounds=bounds,
                     endpoints=tuple(claims.admitted[p].endpoint for p in members), codec=self.codec.name,

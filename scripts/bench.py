@@ -30,6 +30,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "trust": ("scripts.bench_trust", "certified rounds: certification vs exchange, and the offline checks"),
     "scale": ("scripts.bench_scale", "round overhead and memory per peer vs the number of peers (2 .. 32)"),
     "codecs": ("scripts.bench_codecs", "codec encode/decode throughput: now vs before, and vs a loopback send"),
+    "robust": ("scripts.bench_robust", "what robust aggregation and the audit cost per round (with vs without)"),
     "cli": ("scripts.bench_cli", "seconds until `swarmloco --help`, a command's --help or a flag error answers"),
 }
 

@@ -95,7 +95,7 @@ def _phases(calls: list[tuple[str, float, float]], t0: float, t_avg: float, send
 
 
 def _allreduce_worker(index: int, peers: int, numel: int, reps: int, codec: str, netns: tuple[str, str] | None,
-                      boot: Any, barrier: Any, out: Any) -> None:
+                      boot: Any, barrier: Any, out: Any, rounds: dict[str, Any] | None = None) -> None:
     if netns is not None:
         _enter_netns(netns[0])
     import torch
@@ -116,7 +116,8 @@ def _allreduce_worker(index: int, peers: int, numel: int, reps: int, codec: str,
                 boot.put(node.visible_maddrs())
         model = LocalModel(fingerprint="bench", config={"numel": numel}, numel=numel)
         cfg = RoundConfig(
-            quorum=peers, grace_min_s=0.0, grace_max_s=0.0, codec=codec, exchange_timeout_s=300, round_timeout_s=300
+            quorum=peers, grace_min_s=0.0, grace_max_s=0.0, codec=codec, exchange_timeout_s=300, round_timeout_s=300,
+            **(rounds or {}),
         )
         averager = Averager(node, cfg, model, credentials=node.credentials, gate=node.gate, genesis_hash=HASH)
         averager.start()
@@ -160,6 +161,7 @@ def _allreduce_worker(index: int, peers: int, numel: int, reps: int, codec: str,
                 "rep": rep, "t0": t0, "t_avg": held["t"], "t1": t1, "leader": group.is_leader,
                 "sent": result.bytes_sent, "received": result.bytes_received, "members": len(result.members),
                 "direct": result.direct, "pipes": result.pipes, "certify_s": result.certify_s, "error": err,
+                "audit_s": result.audit_s,
                 "digest": hashlib.sha256(average.numpy().tobytes()).hexdigest(),
                 **_phases(list(timed.calls), t0, held["t"], result.bytes_sent / bandwidth if bandwidth else 0.0),
             })
@@ -173,7 +175,7 @@ def _allreduce_worker(index: int, peers: int, numel: int, reps: int, codec: str,
 
 
 def _run_allreduce(numel: int, peers: int, reps: int, codec: str, *, netns: list[tuple[str, str]] | None = None,
-                   timeout: float = 900) -> list[dict[str, Any]]:
+                   timeout: float = 900, rounds: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Every peer's results, by index; raises RuntimeError with the first peer's failure (the rest are killed)."""
     if netns is not None and len(netns) < peers:
         raise ValueError(f"netns: {len(netns)} namespaces for {peers} peers")
@@ -181,7 +183,7 @@ def _run_allreduce(numel: int, peers: int, reps: int, codec: str, *, netns: list
     boot, out, barrier = ctx.Queue(), ctx.Queue(), ctx.Barrier(peers)
     procs = [
         ctx.Process(target=_allreduce_worker, daemon=False,
-                    args=(i, peers, numel, reps, codec, netns[i] if netns else None, boot, barrier, out))
+                    args=(i, peers, numel, reps, codec, netns[i] if netns else None, boot, barrier, out, rounds))
         for i in range(peers)
     ]
     outputs: dict[int, dict[str, Any]] = {}
@@ -226,12 +228,12 @@ def _rep_rows(outputs: list[dict[str, Any]], peers: int, reps: int) -> list[list
 
 
 def ours_allreduce(size_mb: float, peers: int, reps: int, codec: str,
-                   netns: list[tuple[str, str]] | None = None) -> dict[str, Any]:
+                   netns: list[tuple[str, str]] | None = None, rounds: dict[str, Any] | None = None) -> dict[str, Any]:
     """Per rep after one warm-up: `seconds` (release → the slowest peer holds the average), `round_s` (→ the last
     peer holds the certificate), bytes sent per peer (max, mean) and the slowest peer's phases; plus the encoded
-    vector's size."""
+    vector's size. `rounds`: RoundConfig fields to override (the aggregator, the audit)."""
     numel = int(size_mb * 2**20 // 4)
-    outputs = _run_allreduce(numel, peers, reps + 1, codec, netns=netns)
+    outputs = _run_allreduce(numel, peers, reps + 1, codec, netns=netns, rounds=rounds)
     out: dict[str, Any] = {"encoded_bytes": outputs[0]["encoded_bytes"], "numel": numel, "reps": []}
     for rows in _rep_rows(outputs, peers, reps + 1)[1:]:  # rep 0 is a warm-up, as for gloo and hivemind
         t0 = min(r["t0"] for r in rows)
@@ -244,7 +246,7 @@ def ours_allreduce(size_mb: float, peers: int, reps: int, codec: str,
             "received_max": max(r["received"] for r in rows),
             "error_max": max(r["error"] for r in rows),
         }
-        for key in ("plan_s", "parts_s", "reduced_s", "average_s"):  # the slowest peer reaching each point
+        for key in ("plan_s", "parts_s", "reduced_s", "average_s", "audit_s"):  # the slowest peer reaching each
             rep[key] = max(r[key] for r in rows)
         for key in ("encode_cpu_s", "accumulate_cpu_s", "decode_cpu_s"):  # per peer, mean
             rep[key] = sum(r[key] for r in rows) / peers
