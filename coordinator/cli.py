@@ -71,7 +71,21 @@ def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:
                         help="peer ids for --admission allowlist, one per line ('#' starts a comment)")
     parser.add_argument("--ticket-lifetime", type=float, default=3600.0, metavar="SECONDS",
                         help="how long a ticket is valid; peers renew at half of it")
+    # None keeps ConnectionLimits' default (coordinator/connections.py), which imports uvicorn: not here
+    parser.add_argument("--idle-timeout", type=float, default=None, metavar="SECONDS",
+                        help="close a connection with no request in progress after this long (default 5)")
+    parser.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                        help="a request must arrive and be answered within this long of its first byte (default 30)")
+    parser.add_argument("--max-connections", type=int, default=None, metavar="N",
+                        help="open connections in total; at the cap the longest idle one is closed (default 2048)")
+    parser.add_argument("--max-connections-per-address", type=int, default=None, metavar="N",
+                        help="open connections per client IPv4 address or IPv6 /64 (default 64; behind a reverse "
+                             "proxy, set it to --max-connections)")
     add_revocation_commands(parser)
+
+
+_CONNECTION_FLAGS = {"idle_timeout": "idle_timeout_s", "request_timeout": "request_timeout_s",
+                     "max_connections": "max_connections", "max_connections_per_address": "max_per_address"}
 
 
 def _invite_codes(args: argparse.Namespace) -> frozenset[str]:
@@ -158,6 +172,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
     if getattr(args, "coordinator_action", None):
         return run_revocation(args)
     from coordinator.authority import AuthorityConfig
+    from coordinator.connections import ConnectionLimits
     from coordinator.server import CoordinatorConfig, CoordinatorServer
     from coordinator.service import ServiceConfig
     from coordinator.store import StoreError
@@ -172,7 +187,9 @@ def run_coordinator(args: argparse.Namespace) -> int:
                                 online_window_s=args.online_window_s, authority=AuthorityConfig(policy=policy))
         config = CoordinatorConfig(db=args.db, host=args.host, port=args.port, dht=not args.no_dht,
                                    dht_host=args.dht_host, dht_port=args.dht_port, identity_path=args.identity,
-                                   ready_file=args.ready_file, service=service)
+                                   ready_file=args.ready_file, service=service, connections=ConnectionLimits(**{
+                                       field: getattr(args, flag) for flag, field in _CONNECTION_FLAGS.items()
+                                       if getattr(args, flag, None) is not None}))
         server = CoordinatorServer(config)
     except (ValueError, StoreError, OSError) as e:
         print(f"swarmloco coordinator: {e}", file=sys.stderr)

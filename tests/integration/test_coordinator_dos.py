@@ -10,6 +10,8 @@ from __future__ import annotations
 import resource
 import select
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from _coordinator_helpers import hello_body, make_identities, metrics_body
+from _coordinator_helpers import ROOT, child_env, hello_body, kill, make_identities, metrics_body, spawn_coordinator
 from _log_capture import captured_logs
 
 from coordinator.authority import AuthorityConfig
@@ -63,12 +65,12 @@ def sockets() -> Iterator[list[socket.socket]]:
         s.close()
 
 
-def connect(server: CoordinatorServer, source: str, opened: list[socket.socket]) -> socket.socket:
+def connect(port: int, source: str, opened: list[socket.socket]) -> socket.socket:
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     opened.append(s)
     s.bind((source, 0))
     s.settimeout(10)
-    s.connect(("127.0.0.1", server.port))
+    s.connect(("127.0.0.1", port))
     return s
 
 
@@ -163,11 +165,11 @@ def test_thousand_idle_connections_do_not_block_valid_reports(coordinator: Facto
     idle_s = 6.0
     server = coordinator(idle_timeout_s=idle_s, request_timeout_s=2.0)
     t0 = time.monotonic()
-    idle = [connect(server, f"127.0.{1 + i // 50}.{1 + i % 50}", sockets) for i in range(IDLE_CONNECTIONS)]
+    idle = [connect(server.port, f"127.0.{1 + i // 50}.{1 + i % 50}", sockets) for i in range(IDLE_CONNECTIONS)]
     assert wait_for(lambda: server.connections.open_count >= IDLE_CONNECTIONS, 10), server.connections.open_count
     # meanwhile two senders dribble a request a byte every 0.2 s, and reports carry numbers beyond a float
     report = build_report(ident, "run", "hello", hello_body()).encode()
-    drips = {connect(server, f"127.0.99.{i + 1}", sockets): report_request(report) for i in range(2)}
+    drips = {connect(server.port, f"127.0.99.{i + 1}", sockets): report_request(report) for i in range(2)}
     dripped: dict[socket.socket, bytes] = {}
     dripper = threading.Thread(target=lambda: dripped.update(drip(drips, every_s=0.2, for_s=15)), daemon=True)
     dripper.start()
@@ -190,8 +192,8 @@ def test_thousand_idle_connections_do_not_block_valid_reports(coordinator: Facto
 def test_idle_before_the_first_request_and_between_requests_is_closed(coordinator: Factory,
                                                                       sockets: list[socket.socket]) -> None:
     server = coordinator(idle_timeout_s=0.5)
-    silent = connect(server, "127.0.0.1", sockets)
-    keep_alive = connect(server, "127.0.0.1", sockets)
+    silent = connect(server.port, "127.0.0.1", sockets)
+    keep_alive = connect(server.port, "127.0.0.1", sockets)
     keep_alive.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
     t0 = time.monotonic()
     closed, got = closed_by_server(silent, within=8)
@@ -209,8 +211,8 @@ def test_slow_drip_requests_hit_one_deadline_for_the_whole_request(coordinator: 
     report = build_report(ident, "run", "hello", hello_body()).encode()
     whole = report_request(report)
     head = whole[:len(whole) - len(report)]
-    headers_drip = connect(server, "127.0.5.1", sockets)
-    body_drip = connect(server, "127.0.5.2", sockets)
+    headers_drip = connect(server.port, "127.0.5.1", sockets)
+    body_drip = connect(server.port, "127.0.5.2", sockets)
     body_drip.sendall(head)
     t0 = time.monotonic()
     with captured_logs() as logs:
@@ -229,9 +231,9 @@ def test_slow_drip_requests_hit_one_deadline_for_the_whole_request(coordinator: 
 def test_one_address_cannot_hold_more_than_its_share(coordinator: Factory, ident: Identity,
                                                      sockets: list[socket.socket]) -> None:
     server = coordinator(max_per_address=8, idle_timeout_s=30)
-    held = [connect(server, "127.0.6.1", sockets) for _ in range(8)]
+    held = [connect(server.port, "127.0.6.1", sockets) for _ in range(8)]
     assert wait_for(lambda: server.connections.open_count == 8, 5)
-    extra = connect(server, "127.0.6.1", sockets)
+    extra = connect(server.port, "127.0.6.1", sockets)
     closed, got = closed_by_server(extra, within=5)
     assert closed and got.startswith(b"HTTP/1.1 429"), got
     assert post_reports(server, ident, 2) == [200, 200]  # another address is served
@@ -242,7 +244,7 @@ def test_one_address_cannot_hold_more_than_its_share(coordinator: Factory, ident
 def test_a_full_table_evicts_the_longest_idle_connection(coordinator: Factory, ident: Identity,
                                                          sockets: list[socket.socket]) -> None:
     server = coordinator(max_connections=16, max_per_address=16, idle_timeout_s=30)
-    idle = [connect(server, f"127.0.7.{i + 1}", sockets) for i in range(16)]
+    idle = [connect(server.port, f"127.0.7.{i + 1}", sockets) for i in range(16)]
     assert wait_for(lambda: server.connections.open_count == 16, 5)
     assert post_reports(server, ident, 2) == [200, 200]  # room made by closing the oldest silent connection
     assert closed_by_server(idle[0], within=5)[0]
@@ -251,11 +253,28 @@ def test_a_full_table_evicts_the_longest_idle_connection(coordinator: Factory, i
     for s in idle[1:]:
         s.close()
     assert wait_for(lambda: server.connections.open_count == 0, 5)
-    busy = [connect(server, f"127.0.8.{i + 1}", sockets) for i in range(16)]
+    busy = [connect(server.port, f"127.0.8.{i + 1}", sockets) for i in range(16)]
     for s in busy:
         s.sendall(b"POST /api/reports HTTP/1.1\r\n")
     assert wait_for(lambda: server.connections.open_count == 16, 5)
     time.sleep(0.2)  # let the server see the first bytes of every request
-    closed, got = closed_by_server(connect(server, "127.0.9.1", sockets), within=5)
+    closed, got = closed_by_server(connect(server.port, "127.0.9.1", sockets), within=5)
     assert closed and got.startswith(b"HTTP/1.1 503"), got
     assert all(not closed_by_server(s, within=0)[0] for s in busy)
+
+
+def test_the_real_coordinator_process_applies_the_flags(tmp_path: Path, sockets: list[socket.socket]) -> None:
+    proc, info = spawn_coordinator(tmp_path / "db.sqlite", tmp_path / "ready.json", "--no-dht", "--admission", "none",
+                                   "--idle-timeout", "0.5", "--max-connections-per-address", "2")
+    try:
+        silent = [connect(info["port"], "127.0.10.1", sockets) for _ in range(2)]
+        closed, got = closed_by_server(connect(info["port"], "127.0.10.1", sockets), within=5)
+        assert closed and got.startswith(b"HTTP/1.1 429"), got
+        assert all(closed_by_server(s, within=8)[0] for s in silent)
+        assert requests.get(info["url"] + "/healthz", timeout=10).status_code == 200
+    finally:
+        kill(proc)
+    bad = subprocess.run([sys.executable, "-m", "coordinator", "--db", str(tmp_path / "b.sqlite"), "--no-dht",
+                          "--port", "0", "--idle-timeout", "0"], cwd=ROOT, env=child_env(), capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "idle_timeout_s must be in [0.05, 600], got 0.0" in bad.stderr, bad.stderr[-500:]
