@@ -85,7 +85,8 @@ class RoundSteps:
                 self.hooks.after_send(group.round)
 
         try:
-            claim = self._claim(group, tokens, staleness, prev, self.router.endpoint(inbox), commitment(nonce))
+            claim = self._claim(group, tokens, staleness, prev, self.router.endpoint(inbox), commitment(nonce),
+                                delta.numel())
             if group.is_leader:
                 plan = await self._plan(group, claim, prev)
             else:
@@ -109,11 +110,12 @@ class RoundSteps:
             self.bandwidth = reduced.parts_sent / reduced.send_s
         return plan, reduced
 
-    def _claim(self, group: Group, tokens: int, staleness: int, prev: Head, endpoint: Endpoint,
-               commit: str) -> pb.Contribution:
+    def _claim(self, group: Group, tokens: int, staleness: int, prev: Head, endpoint: Endpoint, commit: str,
+               numel: int) -> pb.Contribution:
+        """Our signed claim. `numel` is our Δ's true size: a leader refuses a wrong one before anything moves."""
         base = max(0, group.round - staleness)
         claim = pb.Contribution(
-            tokens=tokens, codec=self.codec.name, numel=self.model.numel, data_addrs=endpoint.addrs,
+            tokens=tokens, codec=self.codec.name, numel=numel, data_addrs=endpoint.addrs,
             data_token=endpoint.token, bandwidth=self.bandwidth, round=group.round, prev_hash=prev.state_hash,
             leader=group.leader, base_round=base, base_hash=self.history.get(base, prev.state_hash),
             audit_commit=commit)

@@ -95,6 +95,8 @@ async def reduce_shards(plan: Plan, delta: torch.Tensor, *, me: str, codec: Code
     which contributors count (`settle(have, problems)` returns the members every reducer holds a part of), reduce
     its shard over those, gather everyone's reduced shards and audit them. Raises RoundAborted when any shard is
     lost or fails its checks (nothing was applied: the caller just discards the round)."""
+    if delta.numel() != plan.numel:
+        raise RoundAborted(f"our Δ has {delta.numel()} elements, the plan {plan.numel}")
     k = plan.members.index(me)
     others = [p for p in plan.members if p != me]
     inbox.expect(set(plan.members[:k]))
