@@ -37,4 +37,4 @@ class SoloSync:
 
 def run_solo(replica: Replica, cfg: PeerConfig, *, stop: StopFlag | None = None) -> dict[str, Any]:
     """Train until max_steps/max_rounds or a stop request; returns the run summary."""
-    return TrainingLoop(replica, cfg, stop or StopFlag(), hooks=harness_hooks()).run(SoloSync())
+    return TrainingLoop(replica, cfg, stop if stop is not None else StopFlag(), hooks=harness_hooks()).run(SoloSync())

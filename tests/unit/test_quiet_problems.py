@@ -91,3 +91,21 @@ def test_launcher_progress_line_names_every_live_peers_steps(tmp_path: Path) -> 
     swarm.peers[0].last_step = {"event": "step", "step": 12}
     assert swarm.progress_line().startswith("round 1/5: training or averaging; inner steps so far per peer: 12, 0 "
                                             "(30 per round) | ")
+
+
+@pytest.mark.timeout(120)
+def test_solo_run_stops_on_the_flag_its_signal_handler_sets(tmp_path: Path) -> None:
+    """A StopFlag is falsy until set: `stop or StopFlag()` used to train on a fresh flag, deaf to Ctrl+C."""
+    import threading
+
+    from peer.cli import build_replica
+    from peer.config import TrainConfig
+    from peer.signals import StopFlag
+    from peer.solo import run_solo
+
+    cfg = PeerConfig(run=RunConfig(solo=True, workdir=str(tmp_path), max_steps=100_000, checkpoint_every=0),
+                     train=TrainConfig(batch_size=2, inner_steps=5))
+    stop = StopFlag()
+    threading.Timer(1.0, stop.request).start()
+    summary = run_solo(build_replica(cfg), cfg, stop=stop)
+    assert summary["stopped_early"] and summary["steps"] < 100_000
