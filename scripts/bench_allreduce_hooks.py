@@ -115,10 +115,10 @@ def _allreduce_worker(index: int, peers: int, numel: int, reps: int, codec: str,
             for _ in range(peers - 1):
                 boot.put(node.visible_maddrs())
         model = LocalModel(fingerprint="bench", config={"numel": numel}, numel=numel)
-        cfg = RoundConfig(
-            quorum=peers, grace_min_s=0.0, grace_max_s=0.0, codec=codec, exchange_timeout_s=300, round_timeout_s=300,
-            **(rounds or {}),
-        )
+        cfg = RoundConfig(**{  # type: ignore[arg-type]
+            "quorum": peers, "grace_min_s": 0.0, "grace_max_s": 0.0, "codec": codec, "exchange_timeout_s": 300,
+            "round_timeout_s": 300, **(rounds or {}),
+        })
         averager = Averager(node, cfg, model, credentials=node.credentials, gate=node.gate, genesis_hash=HASH)
         averager.start()
         averager.set_state(Head(0, HASH))
