@@ -69,12 +69,13 @@ def run_peer(args: argparse.Namespace) -> int:
         cfg = bootstrap.resolve(config_mod.build_config(args))
         run = cfg.run
         lock = preflight.lock_workdir(cfg)  # noqa: F841 - held until the process exits
+        if not run.solo:
+            preflight.check_network(cfg)
+        # only once nothing else refuses to start: a mistyped flag must not move the old checkpoint aside
         moved = preflight.set_aside_checkpoint(cfg)
         if moved is not None:
             logger.warning("%s/checkpoint holds an earlier run: moved it to %s (pass --resume to continue from a "
                            "checkpoint instead)", run.workdir, moved)
-        if not run.solo:
-            preflight.check_network(cfg)
         replica = build_replica(cfg, data_seed=0 if run.solo else swarm_data_seed(cfg))
         stop = StopFlag().install()
         if run.solo:
