@@ -162,7 +162,8 @@ class StateServer:
             channel, first = await self._channel(reader, writer, conn)
             blob = memoryview(self.hooks.served_state(state.blob)).cast("B")
             try:
-                stats.chunks += await serve_chunks(channel, blob, first, limits=self.limits, on_chunk=self._on_chunk)
+                served = await serve_chunks(channel, blob, first, limits=self.limits, on_chunk=self._on_chunk)
+                stats.chunks += served  # (not `+= await`: concurrent sessions would overwrite each other's counts)
             except TooSlow:
                 if self.limits.penalty_s > 0:
                     self._penalize(caller)
