@@ -7,6 +7,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -90,3 +91,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "integration" in item.path.parts:
             item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture
+def swarm(tmp_path: Path) -> Iterator[Any]:
+    """A fresh permissioned run of real peers (`swarm_harness.Swarm`); every process it started is gone when the
+    test ends, or the test fails. Imported here, not at the top: the unit tier never loads hivemind."""
+    from swarm_harness import Swarm
+
+    s = Swarm(tmp_path)
+    try:
+        yield s
+    finally:
+        s.close()
+        s.assert_nothing_left()

@@ -18,8 +18,6 @@ import math
 import signal
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import hivemind
@@ -41,16 +39,6 @@ from protocol.wire import close_writer, read_frame, write_frame
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 HONEST = ["a", "b", "c"]
 ROUND_CAP = 40
-
-
-@pytest.fixture
-def swarm(tmp_path: Path) -> Iterator[Swarm]:
-    s = Swarm(tmp_path)
-    try:
-        yield s
-    finally:
-        s.close()
-        s.assert_nothing_left()
 
 
 def _fingerprint(swarm: Swarm) -> str:

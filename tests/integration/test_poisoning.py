@@ -14,8 +14,6 @@ times the clean one (or a NaN), and the cheating reducers' shards are committed.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,16 +22,6 @@ from swarm_harness import Swarm, assert_no_split
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 ROUNDS = 5
 HONEST = ["a", "b", "c"]
-
-
-@pytest.fixture
-def swarm(tmp_path: Path) -> Iterator[Swarm]:
-    s = Swarm(tmp_path)
-    try:
-        yield s
-    finally:
-        s.close()
-        s.assert_nothing_left()
 
 
 def _run(swarm: Swarm, *, faults: str = "", extra: tuple[str, ...] = (), rounds: int = ROUNDS) -> dict[str, Any]:

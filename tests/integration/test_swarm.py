@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,16 +16,6 @@ from conftest import run_cli
 from swarm_harness import Swarm, assert_no_split
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
-
-
-@pytest.fixture
-def swarm(tmp_path: Path) -> Iterator[Swarm]:
-    s = Swarm(tmp_path)
-    try:
-        yield s
-    finally:
-        s.close()
-        s.assert_nothing_left()
 
 
 def _finite_losses(swarm: Swarm, name: str) -> None:

@@ -5,11 +5,10 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
 
 import pytest
+from _loops import run_loop as _run
 
 from protocol import swarmloco_wire_pb2 as pb
 from protocol.data_hello import HandshakeLimits, hello_body, hello_problem, signed_hello
@@ -18,21 +17,7 @@ from protocol.identity import Identity
 from protocol.wire import frame_prefix
 
 pytestmark = pytest.mark.timeout(60)
-T = TypeVar("T")
 
-def _run(coro: Coroutine[Any, Any, T]) -> T:
-    """`asyncio.run` without marking the main thread's loop as set: later tests build asyncio objects outside a
-    loop, which `asyncio.run` (it ends with `set_event_loop(None)`) would break for them."""
-    loop = asyncio.new_event_loop()
-    try:
-        return loop.run_until_complete(coro)
-    finally:
-        left = asyncio.all_tasks(loop)
-        for task in left:
-            task.cancel()
-        if left:
-            loop.run_until_complete(asyncio.wait(left, timeout=5))
-        loop.close()
 RUN = "run-hello"
 
 

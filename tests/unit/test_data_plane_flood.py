@@ -10,11 +10,10 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
 
 import pytest
+from _loops import run_loop as _run
 
 from protocol import swarmloco_wire_pb2 as pb
 from protocol.data_hello import HandshakeLimits
@@ -22,21 +21,7 @@ from protocol.data_plane import DataPlane, connect
 from protocol.identity import Identity
 
 pytestmark = pytest.mark.timeout(90)
-T = TypeVar("T")
 
-def _run(coro: Coroutine[Any, Any, T]) -> T:
-    """`asyncio.run` without marking the main thread's loop as set: later tests build asyncio objects outside a
-    loop, which `asyncio.run` (it ends with `set_event_loop(None)`) would break for them."""
-    loop = asyncio.new_event_loop()
-    try:
-        return loop.run_until_complete(coro)
-    finally:
-        left = asyncio.all_tasks(loop)
-        for task in left:
-            task.cancel()
-        if left:
-            loop.run_until_complete(asyncio.wait(left, timeout=5))
-        loop.close()
 RUN = "run-flood"
 LIMITS = HandshakeLimits(pending=32, per_source=8, deadline_s=2.0)
 SOURCES = [f"127.0.0.{i}" for i in range(1, 9)]  # Linux routes all of 127/8 to loopback

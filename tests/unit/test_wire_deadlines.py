@@ -7,31 +7,16 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections.abc import Coroutine
-from typing import Any, TypeVar
 
 import pytest
+from _loops import run_loop as _run
 
 from protocol import swarmloco_wire_pb2 as pb
 from protocol.data_plane import DataConn
 from protocol.wire import WireError, frame_prefix, read_frame
 
 pytestmark = pytest.mark.timeout(60)
-T = TypeVar("T")
 
-def _run(coro: Coroutine[Any, Any, T]) -> T:
-    """`asyncio.run` without marking the main thread's loop as set: later tests build asyncio objects outside a
-    loop, which `asyncio.run` (it ends with `set_event_loop(None)`) would break for them."""
-    loop = asyncio.new_event_loop()
-    try:
-        return loop.run_until_complete(coro)
-    finally:
-        left = asyncio.all_tasks(loop)
-        for task in left:
-            task.cancel()
-        if left:
-            loop.run_until_complete(asyncio.wait(left, timeout=5))
-        loop.close()
 TIMEOUT_S = 0.6
 DRIP_S = 0.05  # one byte this often: no single read of the old per-read deadline would take 0.6 s
 
