@@ -44,7 +44,16 @@ def _run(swarm: Swarm, *, faults: str = "", extra: tuple[str, ...] = (), rounds:
 
 
 def _loss(run: dict[str, Any]) -> float:
-    return max(run[n]["loss"] for n in HONEST)
+    """The eval loss of the final state: among the honest peers that committed the last round (a peer that missed
+    one certificate re-syncs to the state instead of committing it)."""
+    last = max(run[n]["committed"] for n in HONEST)
+    return max(run[n]["loss"] for n in HONEST if run[n]["committed"] == last)
+
+
+def _all_rounds(run: dict[str, Any]) -> bool:
+    """Every round certified: some honest peer committed each, and none missed more than one (it re-synced)."""
+    counts = [run[n]["committed"] for n in HONEST]
+    return max(counts) == ROUNDS and min(counts) >= ROUNDS - 1
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +62,7 @@ def clean(tmp_path_factory: pytest.TempPathFactory) -> float:
     try:
         run = _run(s)
         assert all(c == 0 for c in run["codes"].values()), s.tails()
-        assert all(run[n]["committed"] == ROUNDS for n in HONEST), s.tails()
+        assert _all_rounds(run), s.tails()
         return _loss(run)
     finally:
         s.close()
@@ -65,7 +74,7 @@ def test_robust_aggregation_keeps_the_model_within_5_percent_of_a_clean_run(swar
                                                                             attack: str) -> None:
     run = _run(swarm, faults=f"contribute={attack}@*")
     assert all(c == 0 for c in run["codes"].values()), swarm.tails()
-    assert all(run[n]["committed"] == ROUNDS for n in HONEST), swarm.tails()
+    assert _all_rounds(run), swarm.tails()
     loss = _loss(run)
     assert math.isfinite(loss) and loss <= 1.05 * clean, (loss, clean)
     # the hostile Δ was in the rounds (it was not refused as malformed), it just weighed nothing
@@ -90,5 +99,5 @@ def test_a_cheating_reducer_is_never_certified_and_is_banned(swarm: Swarm, cheat
         # no certified round ever has the cheater among its contributors
         assert not any(e.get("outcome") == "committed" and hostile in e.get("members", []) for e in events), events
         assert any(hostile in e.get("cheaters", {}) for e in events), events
-        assert run[name]["committed"] == ROUNDS, swarm.tails()
+    assert _all_rounds(run), swarm.tails()
     assert_no_split(swarm, HONEST)
