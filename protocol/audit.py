@@ -76,7 +76,7 @@ class AuditCase:
 @dataclass
 class Findings:
     cheaters: dict[str, str] = field(default_factory=dict)  # peer -> the evidence, in words
-    failed: list[str] = field(default_factory=list)  # shards that failed their check
+    failed: set[int] = field(default_factory=set)  # shards that failed their check
 
     def convict(self, peer: str, why: str) -> None:
         self.cheaters.setdefault(peer, why[:300])
@@ -150,15 +150,15 @@ async def audit(case: AuditCase, pipes: dict[str, Pipe], *, timeout: float) -> F
             found.convict(liar, f"audit of shard {j}: " + (
                 "its sketch does not match the part it signed" if liar == v.accused else
                 f"it accused {v.accused[-8:]} without evidence"))
-            found.failed.append(str(j))
+            found.failed.add(j)
     for j, reducer in enumerate(plan.members):
-        if str(j) in found.failed or (j == case.k and verdict.accused):
+        if j in found.failed or (j == case.k and verdict.accused):
             continue
         header = case.results[j]
         members = list(header.members)
         if not combination_ok(result_sketches[j], list(header.coeffs), [theirs[p][j] for p in members],
                               list(header.norms), case.rounding[j]):
-            found.failed.append(str(j))
+            found.failed.add(j)
             found.convict(reducer, f"shard {j} is not the combination of the parts it signed")
     return found
 

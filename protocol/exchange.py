@@ -116,7 +116,8 @@ def plan_claims_problem(plan: Plan, *, ctx: ClaimContext, cfg: RoundConfig) -> s
             return f"claim of {peer[-8:]}: {problem}"
         if Endpoint(tuple(claim.data_addrs), claim.data_token) != endpoint:
             return f"plan gives {peer[-8:]} another endpoint than it claimed"
-    claims = {p: (Claim.of(c).tokens, Claim.of(c).staleness) for p, c in zip(plan.members, plan.claims, strict=True)}
+    claimed = {p: Claim.of(c) for p, c in zip(plan.members, plan.claims, strict=True)}
+    claims = {p: (c.tokens, c.staleness) for p, c in claimed.items()}
     weights = token_weights(claims, cfg=cfg)
     if tuple(weights[p] for p in plan.members) != plan.weights:
         return "plan's weights are not those its signed claims give"
