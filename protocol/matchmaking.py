@@ -20,16 +20,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
 
 from protocol import swarmloco_wire_pb2 as pb
 from protocol.admission import Credentials, Gate
 from protocol.certificates import need
 from protocol.chain import Chain
 from protocol.exchange import Link
+from protocol.groups import Attempt, Collecting, admit
 from protocol.groups import Group as Group  # re-exported: what matchmaking hands the exchange
 from protocol.groups import RoundAborted as RoundAborted
-from protocol.groups import admit
 from protocol.records import PROTOCOL_VERSION, PeerRecord
 from protocol.rounds import (
     Behind,
@@ -55,43 +54,6 @@ _SKIP_S = {pb.JoinReply.INCOMPATIBLE: 3600.0, pb.JoinReply.NOT_ADMITTED: 60.0, p
 _SKIP_UNADMITTED_LEADER_S, _SKIP_UNREACHABLE_S, _SKIP_DROPPED_S, _SKIP_OTHER_S = 3600.0, 10.0, 5.0, 1.0
 
 
-@dataclass
-class _Collecting:
-    """A leader's open group: members that joined, and what their join handlers wait on."""
-
-    round: int
-    members: dict[str, Link] = field(default_factory=dict)
-    tickets: dict[str, bytes] = field(default_factory=dict)
-    closed: bool = False
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-    done: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-
-
-@dataclass
-class _Attempt:
-    """The state one `form_group` call carries from one look at the records to the next."""
-
-    round: int
-    state_hash: str
-    deadline: float
-    skip: dict[str, float] = field(default_factory=dict)  # leader -> monotonic time until which we do not ask it
-    quorum_at: float | None = None  # when our own group first reached the size it needs
-    active: set[str] = field(default_factory=set)  # active peers in our latest view, us included
-    alone_since: float | None = None  # when we began leading with nobody joined
-    merge_into: str | None = None  # the stronger leader we saw last time, and how many times in a row
-    merge_seen: int = 0
-
-    @property
-    def swarm(self) -> int:
-        """How many peers a group must be a majority of, by our own view."""
-        return max(1, len(self.active))
-
-    def confirm_merge(self, leader: str) -> bool:  # the same better leader twice in a row
-        self.merge_seen = self.merge_seen + 1 if leader == self.merge_into else 1
-        self.merge_into = leader
-        return self.merge_seen >= 2
-
-
 class Matchmaker:
     """Runs on the transport's loop: serves join requests, and forms or finds the group for a round."""
 
@@ -111,16 +73,29 @@ class Matchmaker:
         self.handler_name = f"swarmloco/{transport.run_id}/avg/v{PROTOCOL_VERSION}"
         self.round, self.state_hash, self.seed = 0, "", ""
         self.refusals: list[str] = []  # why other peers refused us: each reason is logged once
-        self._collect: _Collecting | None = None
+        self._collect: Collecting | None = None
         # Leaders that accepted us and then never closed the group: skipped across rounds for a while. The leader
         # order only changes with the state, so without this one stalling leader would hold every retry.
         self._stalled: dict[str, float] = {}
+        self._released: dict[str, float] = {}  # leaders that released us once: until when a second release is a stall
         self.banned: dict[str, str] = {}  # peers proven to have cheated: never our leader, never in our group
 
     def skip_leader(self, leader: str, why: str) -> None:
         """Skip `leader` for a few round timeouts: it took us in, and the round ended uncertified (on the loop)."""
         self._stalled[leader] = time.monotonic() + STALL_SKIP_ROUNDS * self.cfg.round_timeout_s
         logger.info("skipping leader %s for the next rounds: %s", leader[-8:], why)
+
+    def _released_or_stalled(self, leader: str, round_number: int, exc: WireError) -> None:
+        """A leader that took us in ended the join stream without closing its group. An honest leader releases its
+        members when it merges into a better-ranked group, so a first release costs it only the short skip of a
+        dropped join; holding us to the deadline, or releasing us again within the stall window (holding members
+        and letting them go, round after round), is a stall: skipped for the next rounds."""
+        now = time.monotonic()
+        self._released = {p: t for p, t in self._released.items() if t > now}
+        if isinstance(exc.__cause__, TimeoutError) or leader in self._released:
+            self.skip_leader(leader, f"round {round_number}: it accepted us but never closed its group")
+        else:
+            self._released[leader] = now + STALL_SKIP_ROUNDS * self.cfg.round_timeout_s
 
     async def register(self) -> None:
         await self.transport.add_handler(self.handler_name, self._handle_join)
@@ -135,7 +110,7 @@ class Matchmaker:
     async def form_group(self, round_number: int, state_hash: str) -> Group | Behind:
         """The closed group for round r, or the newer state to fetch. Raises RoundAborted past round_timeout_s."""
         self.set_state(round_number, state_hash)
-        attempt = _Attempt(
+        attempt = Attempt(
             round=round_number, state_hash=state_hash, deadline=time.monotonic() + self.cfg.round_timeout_s
         )
         try:
@@ -176,16 +151,22 @@ class Matchmaker:
             self._abandon()
             raise
 
-    def _choose_leader(self, attempt: _Attempt, here: dict[str, PeerRecord]) -> str:
+    def _choose_leader(self, attempt: Attempt, here: dict[str, PeerRecord]) -> str:
         now = time.monotonic()
         attempt.skip = {p: t for p, t in attempt.skip.items() if t > now}
         self._stalled = {p: t for p, t in self._stalled.items() if t > now}
+        me, needed = self.transport.peer_id, need(attempt.swarm, self.cfg.quorum)
+        # Skipping a stalled leader must not leave us unable to form a group of the size a round needs: peers judge
+        # stalls each on its own, and an honest leader can look stalled to one member (it ran into its deadline with
+        # us waiting). Where the peers at our state without the stalled ones are too few, every peer that is
+        # needed is a candidate again, and all of us follow the one leader order.
+        stalled = set(self._stalled)
+        if len(({p for p in here if p not in self.banned} | {me}) - stalled) < needed:
+            stalled.clear()
         candidates = [p for p, r in here.items()
-                      if r.ready and p not in attempt.skip and p not in self._stalled and p not in self.banned]
+                      if r.ready and p not in attempt.skip and p not in stalled and p not in self.banned]
         members = len(self._collect.members) if self._collect is not None else 0
-        me = self.transport.peer_id
-        leader = pick_leader(me, members, candidates, needed=need(attempt.swarm, self.cfg.quorum),
-                             seed=self.seed or attempt.state_hash)
+        leader = pick_leader(me, members, candidates, needed=needed, seed=self.seed or attempt.state_hash)
         if leader == me and not members:
             leader = self._rescue_lone_leader(attempt, here, candidates, now)
         else:
@@ -201,7 +182,7 @@ class Matchmaker:
         self._abandon()
         return leader
 
-    def _rescue_lone_leader(self, attempt: _Attempt, here: dict[str, PeerRecord], candidates: list[str],
+    def _rescue_lone_leader(self, attempt: Attempt, here: dict[str, PeerRecord], candidates: list[str],
                             now: float) -> str:
         """We rank first but nobody joined us (they tried us before we were collecting, and gathered around the next
         in rank): after a short wait, join the best-ranked group already forming rather than be left out. The only
@@ -217,7 +198,7 @@ class Matchmaker:
             return me
         return min(forming, key=lambda p: (leader_rank(self.seed or attempt.state_hash, p), p))
 
-    async def _lead(self, attempt: _Attempt, here: dict[str, PeerRecord]) -> Group | None:
+    async def _lead(self, attempt: Attempt, here: dict[str, PeerRecord]) -> Group | None:
         """One look as leader: close the group if quorum and grace allow, else wait for a join or the next poll."""
         collect = self._ensure_collecting(attempt.round)
         self.transport.update_record(leading=len(collect.members))
@@ -233,10 +214,10 @@ class Matchmaker:
             await asyncio.wait_for(collect.changed.wait(), timeout=POLL_S)
         return None
 
-    def _ensure_collecting(self, round_number: int) -> _Collecting:
+    def _ensure_collecting(self, round_number: int) -> Collecting:
         if self._collect is None or self._collect.round != round_number:
             self._abandon()
-            self._collect = _Collecting(round=round_number)
+            self._collect = Collecting(round=round_number)
         return self._collect
 
     def _abandon(self) -> None:
@@ -248,7 +229,7 @@ class Matchmaker:
             collect.done.set_result(None)
         self.transport.update_record(leading=0)
 
-    async def _close(self, collect: _Collecting, active: set[str]) -> Group:
+    async def _close(self, collect: Collecting, active: set[str]) -> Group:
         collect.closed = True
         self._collect = None
         self.transport.update_record(leading=0, ready=False)
@@ -275,7 +256,7 @@ class Matchmaker:
         return Group(round=collect.round, me=me, leader=me, members=[me, *alive], links=alive, release=collect.done,
                      swarm=swarm, tickets=tickets)
 
-    async def _try_join(self, leader: str, attempt: _Attempt) -> Group | float:
+    async def _try_join(self, leader: str, attempt: Attempt) -> Group | float:
         """Join `leader`'s group; returns the closed group, or for how many seconds to skip this leader."""
         d = self.deadlines
         try:
@@ -314,8 +295,8 @@ class Matchmaker:
                 closed, _ = await read_frame(
                     reader, pb.GroupClosed, max_payload=0, timeout=max(1.0, attempt.deadline - time.monotonic())
                 )
-            except WireError:
-                self.skip_leader(leader, f"round {attempt.round}: it accepted us but never closed its group")
+            except WireError as exc:
+                self._released_or_stalled(leader, attempt.round, exc)
                 raise
             if (
                 closed.round != attempt.round
@@ -348,7 +329,7 @@ class Matchmaker:
     # --- serving join requests ------------------------------------------------------------------------------------
     async def _handle_join(self, caller: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         d = self.deadlines
-        collect: _Collecting | None = None
+        collect: Collecting | None = None
         link = Link(caller, reader, writer)
         try:
             request, _ = await read_frame(reader, pb.JoinRequest, max_payload=0, timeout=d.control)

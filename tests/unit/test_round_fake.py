@@ -31,7 +31,7 @@ from protocol.hooks import Hooks
 from protocol.matchmaking import Group, Matchmaker
 from protocol.rounds import Outcome, RoundConfig
 from protocol.testing.fake import FakeNetwork
-from protocol.wire import read_frame, write_frame
+from protocol.wire import WireError, read_frame, write_frame
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -85,6 +85,23 @@ def test_split_groups_below_the_majority_merge(net: FakeNetwork) -> None:
     assert all(isinstance(g, Group) for g in groups)
     assert {g.leader for g in groups} == {ids[0]}  # type: ignore[union-attr]
     assert sorted(next(g for g in groups if g.is_leader).members) == sorted(ids)  # type: ignore[union-attr]
+    # ids[1] released ids[3] to merge: an honest merge, not a stall, so ids[3] will follow ids[1] again next round
+    assert not averagers[3].matchmaker._stalled  # type: ignore[union-attr]
+
+
+def test_a_stalled_leader_the_round_cannot_do_without_is_followed_again(net: FakeNetwork) -> None:
+    """One of three peers (quorum 3) skips the best-ranked leader as stalled (an honest leader can look stalled to
+    one member): it is still the leader of everyone, since without it no group of 3 exists. Before, the two others
+    waited in its group and the third led alone until all three timed out."""
+    averagers = by_rank(peers(net, 3, quorum=3))
+    leader, late = averagers[0].transport.peer_id, averagers[2]
+
+    async def stall() -> None:  # on the loop, where the matchmaker keeps its skips
+        late.matchmaker.skip_leader(leader, "held us to the deadline")  # type: ignore[union-attr]
+
+    net.call(stall(), timeout=5)
+    groups = [f.result(timeout=10) for f in [a.find_group(0, H0) for a in averagers]]
+    assert all(isinstance(g, Group) and g.leader == leader and len(g.members) == 3 for g in groups), groups
 
 
 def test_a_group_that_loses_a_member_below_quorum_is_discarded_and_rolled_back(net: FakeNetwork) -> None:
@@ -221,6 +238,22 @@ def _matchmaker(net: FakeNetwork) -> tuple[Matchmaker, str]:
     mm = Matchmaker(transport, RoundConfig(quorum=2, **FAST), MODEL, chain=averager.chain,  # type: ignore[arg-type]
                     gate=Gate(transport.run_id, None), credentials=transport.credentials)
     return mm, transport.peer_id
+
+
+def test_a_leader_that_releases_us_twice_or_holds_us_to_the_deadline_is_skipped_for_rounds(net: FakeNetwork) -> None:
+    """The first release (a merge) costs a leader nothing across rounds; a second one within the stall window, or
+    holding us until the join deadline, is a stall (before, every merge got the leader skipped for three rounds)."""
+    mm, _ = _matchmaker(net)
+    closed = WireError("stream closed by peer")
+    closed.__cause__ = asyncio.IncompleteReadError(b"", 4)
+    timed_out = WireError("no whole frame")
+    timed_out.__cause__ = TimeoutError()
+    mm._released_or_stalled("merger", 1, closed)
+    assert "merger" not in mm._stalled
+    mm._released_or_stalled("merger", 2, closed)
+    assert "merger" in mm._stalled
+    mm._released_or_stalled("holder", 1, timed_out)
+    assert "holder" in mm._stalled
 
 
 class _SlowReplyWriter:
