@@ -11,6 +11,8 @@ the first time the phase is reached) runs with a `FaultInjector` as its hooks. P
     reduce=equivocate          as a reducer, send every other member a different (signed) shard than the rest
     exchange=stall             sit 8 s on the first part of a round before sending anything (longer than the
                                grace a test's round gives a straggler; shorter than its transfer deadline)
+    exchange=stall30           the same for 30 s: past the grace of any round with the default control deadline,
+                               on a machine however busy (a slow-drip member)
     serve_state=corrupt        serve random bytes to state downloaders (a lying donor)
 A round of `*` arms the fault for every round.
 Every firing is appended to `fired` and reported through `on_fire` before the action happens.
@@ -32,7 +34,7 @@ ENV = "SWARMLOCO_FAULTS"
 PHASES = {"inner_step", "member_after_send", "leader_before_commit", "contribute", "reduce", "exchange",
           "serve_state"}
 ACTIONS = {"kill", "nan", "wrong_numel", "inflate", "zero_tokens", "corrupt", "negate1000", "random1000", "flip",
-           "noise1000", "equivocate", "stall"}
+           "noise1000", "equivocate", "stall", "stall30"}
 EVERY = -1  # the round of a fault armed for every round
 
 
@@ -121,10 +123,11 @@ class FaultInjector(Hooks):
     def send_delay(self, round_number: int) -> float:
         if getattr(self, "_stalled_round", None) == round_number:
             return 0.0
-        if self.match("exchange", round_number) != "stall":
+        action = self.match("exchange", round_number)
+        if action not in ("stall", "stall30"):
             return 0.0
         self._stalled_round = round_number
-        return 8.0
+        return 30.0 if action == "stall30" else 8.0
 
     def reduced_shard(self, round_number: int, shard: int, reduced: torch.Tensor) -> torch.Tensor:
         action = self.match("reduce", round_number)

@@ -23,14 +23,17 @@ from typing import Any
 import hivemind
 import pytest
 import torch
+from _hostile_nodes import key as _key
+from _hostile_nodes import node as _node
+from _hostile_nodes import ticket as _ticket
 from hivemind.utils import get_dht_time
 from swarm_harness import Swarm, assert_no_split, genesis_hash
 
 from protocol import swarmloco_wire_pb2 as pb
-from protocol.admission import Credentials, Gate, Revocations, Ticket
+from protocol.admission import Revocations
 from protocol.certificates import Certificate, Statement
-from protocol.identity import Identity, load_or_create_identity
-from protocol.node import NetworkConfig, SwarmNode
+from protocol.identity import load_or_create_identity
+from protocol.node import SwarmNode
 from protocol.records import PROTOCOL_VERSION, PeerRecord, peers_key, revocations_key
 from protocol.signed_records import seal
 from protocol.state_sync import ServedState, StateServer, state_handler
@@ -54,25 +57,6 @@ def _fingerprint(swarm: Swarm) -> str:
         raise AssertionError("no honest record seen")
     finally:
         reader.shutdown()
-
-
-def _key(swarm: Swarm, name: str) -> Identity:
-    return load_or_create_identity(swarm.workdir / f"{name}.key")
-
-
-def _ticket(swarm: Swarm, name: str, **kw: Any) -> bytes:
-    authority = load_or_create_identity(swarm.authority_key)
-    return Ticket.issue(authority, run_id=swarm.run_id, peer_id=_key(swarm, name).peer_id, **kw).to_bytes()
-
-
-def _node(swarm: Swarm, name: str, *, ticket: bytes) -> SwarmNode:
-    identity = _key(swarm, name)
-    net = NetworkConfig(run_id=swarm.run_id, host_maddrs=("/ip4/127.0.0.1/tcp/0",),
-                        initial_peers=tuple(swarm.bootstrap), identity=str(swarm.workdir / f"{name}.key"),
-                        heartbeat_s=0.5)
-    node = SwarmNode(net, credentials=Credentials(identity, ticket), gate=Gate(swarm.run_id, swarm.authority))
-    node.start()
-    return node
 
 
 def _announce(node: SwarmNode, fingerprint: str, round_number: int, state_hash: str, *, work: int,

@@ -1,0 +1,31 @@
+"""Hostile peers for attack tests: bare `SwarmNode`s of a test swarm's run, with identities under the swarm's workdir
+and tickets signed by its authority key (an admitted peer gone bad) or forged to order."""
+from __future__ import annotations
+
+from typing import Any
+
+from swarm_harness import Swarm
+
+from protocol.admission import Credentials, Gate, Ticket
+from protocol.identity import Identity, load_or_create_identity
+from protocol.node import NetworkConfig, SwarmNode
+
+
+def key(swarm: Swarm, name: str) -> Identity:
+    return load_or_create_identity(swarm.workdir / f"{name}.key")
+
+
+def ticket(swarm: Swarm, name: str, **kw: Any) -> bytes:
+    """A ticket for `name` signed by the run's authority (`kw`: lifetime_s, now, ... to make it expired)."""
+    authority = load_or_create_identity(swarm.authority_key)
+    return Ticket.issue(authority, run_id=swarm.run_id, peer_id=key(swarm, name).peer_id, **kw).to_bytes()
+
+
+def node(swarm: Swarm, name: str, *, ticket: bytes) -> SwarmNode:
+    """A started node on the swarm's DHT that presents `ticket`; the caller shuts it down."""
+    net = NetworkConfig(run_id=swarm.run_id, host_maddrs=("/ip4/127.0.0.1/tcp/0",),
+                        initial_peers=tuple(swarm.bootstrap), identity=str(swarm.workdir / f"{name}.key"),
+                        heartbeat_s=0.5)
+    out = SwarmNode(net, credentials=Credentials(key(swarm, name), ticket), gate=Gate(swarm.run_id, swarm.authority))
+    out.start()
+    return out

@@ -1,0 +1,130 @@
+"""Denial of service by admitted peers built from the project's own code, against three honest real peers at once:
+a fourth member that sits on its parts in every exchange, a flood of silent TCP connections on every honest peer's
+data plane, and 50 state downloads at the same time from two other admitted peers.
+
+Honest rounds keep committing on one hash, the honest peers' memory stays bounded, every download that finished
+was verified chunk by chunk against the certified hash, and the donors never held more than their bound of sessions.
+The stalling member sends nothing for 30 s once it has its group (a slow drip): it costs a round the grace after a
+majority's parts are in (not the transfer deadline), is blamed, and the leaders it cost a round leave it out of their
+next plans. It still reduces a shard of the rounds it is in, and there are no backup reducers, so that round is
+lost; the honest peers keep committing.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+
+import pytest
+from _hostile_nodes import node, ticket
+from swarm_harness import Swarm, assert_no_split
+
+from peer.cli import build_replica
+from peer.config import build_config
+from peer.swarm_state import layout_of
+from protocol import swarmloco_wire_pb2 as pb
+from protocol.node import SwarmNode
+from protocol.records import PeerRecord
+from protocol.state_sync import FetchConfig, StateSyncError, download_state, state_handler
+from protocol.wire import close_writer, read_frame, write_frame
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+HONEST = ["a", "b", "c"]
+ROUND_CAP = 40
+DOWNLOADS = 50
+SILENT_PER_ADDRESS = 100
+MAX_RSS_GROWTH = 300 << 20  # an honest peer's RSS, attack over vs attack start (a tiny peer is ~450 MiB)
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _honest_head(leech: SwarmNode, honest: set[str]) -> PeerRecord:
+    """The record of the honest peer furthest ahead, as the leech reads it from the DHT."""
+    records = leech.call(leech.fetch_records(timeout=5), timeout=10)
+    ahead = [r for p, r in records.items() if p in honest]
+    assert ahead, records
+    return max(ahead, key=lambda r: r.work)
+
+
+async def _data_addrs(leech: SwarmNode, donor: str, fingerprint: str) -> list[str]:
+    """The donor's TCP data plane, from the manifest of a state session (which is then dropped)."""
+    reader, writer = await leech.open_stream(donor, state_handler(leech.run_id), timeout=10)
+    try:
+        await write_frame(writer, pb.StateRequest(run_id=leech.run_id, fingerprint=fingerprint, manifest=True,
+                                                  ticket=leech.credentials.ticket), timeout=10)
+        header, _ = await read_frame(reader, pb.StateHeader, max_payload=1 << 20, timeout=30)
+        return list(header.data_addrs)
+    finally:
+        close_writer(writer)
+
+
+async def _downloads(leech: SwarmNode, honest: set[str], record: PeerRecord, n: int) -> list[str]:
+    """`n` full downloads of `record`'s state at once; per download "ok" (verified) or why it failed."""
+    layout = layout_of(build_replica(build_config(env={})))
+
+    async def one() -> str:
+        try:
+            await download_state(leech, donors=sorted(honest), round_number=record.round, state_hash=record.state_hash,
+                                 layout=layout, fingerprint=record.fingerprint, ticket=leech.credentials.ticket,
+                                 config=FetchConfig(busy_retry_s=0.2), timeout=60)
+            return "ok"
+        except StateSyncError as exc:
+            return str(exc)
+
+    return list(await asyncio.gather(*(one() for _ in range(n))))
+
+
+def test_stalling_member_connection_flood_and_fifty_downloads_leave_honest_rounds_committing(swarm: Swarm) -> None:
+    ids = swarm.identities(4)
+    for name, (_, identity) in zip(HONEST, ids[:3], strict=True):
+        swarm.start(name, identity=identity, rounds=ROUND_CAP, quorum=3, wait_for=4)
+    swarm.start("x", identity=ids[3][1], faults="exchange=stall30@*", rounds=ROUND_CAP, quorum=3, wait_for=4)
+    honest = {peer_id for peer_id, _ in ids[:3]}
+    swarm.wait_for(lambda: all(swarm.committed(n) for n in HONEST), 240, "a first certified round on every honest peer")
+    leeches = [node(swarm, f"leech-{i}", ticket=ticket(swarm, f"leech-{i}")) for i in range(2)]
+    silent: list[socket.socket] = []
+    try:
+        rss_before = {n: _rss(swarm.peers[n].proc.pid) for n in HONEST}  # type: ignore[union-attr]
+        start_round = max(max(swarm.committed(n)) for n in HONEST)
+        record = _honest_head(leeches[0], honest)
+        for peer in honest:
+            for address in leeches[0].call(_data_addrs(leeches[0], peer, record.fingerprint), timeout=60):
+                host, port = address.rsplit(":", 1)
+                assert host == "127.0.0.1", address  # test traffic stays on loopback
+                for _ in range(SILENT_PER_ADDRESS):
+                    silent.append(socket.create_connection((host, int(port)), timeout=5))
+        assert silent, "no honest peer announced a TCP data plane"
+        results = [f.result(timeout=120) for f in [
+            asyncio.run_coroutine_threadsafe(_downloads(leech, honest, record, DOWNLOADS // len(leeches)), leech.loop)
+            for leech in leeches]]
+        outcomes = [r for per_leech in results for r in per_leech]
+        assert len(outcomes) == DOWNLOADS
+        # A download either verified every chunk, or failed saying why (busy donors, a state that moved on); none
+        # ended in an unverified blob, and the honest donors served some of them despite the flood.
+        assert "ok" in outcomes, outcomes
+        swarm.wait_for(lambda: all(max(swarm.committed(n)) >= start_round + 3 for n in HONEST), 240,
+                       "three more certified rounds on every honest peer under attack")
+        growth = {n: _rss(swarm.peers[n].proc.pid) - rss_before[n] for n in HONEST}  # type: ignore[union-attr]
+        assert all(g < MAX_RSS_GROWTH for g in growth.values()), growth
+    finally:
+        for sock in silent:
+            sock.close()
+        for leech in leeches:
+            leech.shutdown()
+    for name in [*HONEST, "x"]:
+        swarm.peers[name].proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+    codes = swarm.wait_exit(120)
+    assert all(codes[n] == 0 for n in HONEST), swarm.tails()
+    committed = assert_no_split(swarm, HONEST)
+    assert len(committed) >= start_round + 3
+    # The staller cost rounds a grace each (it was blamed as too slow), and the rounds after it went on without it.
+    staller = ids[3][0]
+    blamed = [e for n in HONEST for e in swarm.events(n, "round")
+              if e.get("outcome") == "discarded" and f"{staller[-8:]} is too slow" in e.get("reason", "")]
+    assert blamed, "the stalling member was never blamed: the fault did not bite"
+    assert any(staller not in e.get("members", [staller]) for n in HONEST for e in swarm.events(n, "round")
+               if e.get("outcome") == "committed" and e["time"] > blamed[0]["time"])
