@@ -2,8 +2,9 @@
 a fourth member that sits on its parts in every exchange, a flood of silent TCP connections on every honest peer's
 data plane, and 50 state downloads at the same time from two other admitted peers.
 
-Honest rounds keep committing on one hash, the honest peers' memory stays bounded, every download that finished
-was verified chunk by chunk against the certified hash, and the donors never held more than their bound of sessions.
+Honest rounds keep committing on one hash, the honest peers' memory stays bounded, and the honest donors still
+complete downloads (each verified chunk by chunk against the certified hash) while they are flooded. (The donors'
+session bounds themselves are counted in tests/unit/test_state_download_flood.py.)
 The stalling member sends nothing for 30 s once it has its group (a slow drip): it costs a round the grace after a
 majority's parts are in (not the transfer deadline), is blamed, and the leaders it cost a round leave it out of their
 next plans. It still reduces a shard of the rounds it is in, and there are no backup reducers, so that round is
