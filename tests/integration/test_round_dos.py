@@ -30,7 +30,7 @@ from protocol.records import PeerRecord
 from protocol.state_sync import FetchConfig, StateSyncError, download_state, state_handler
 from protocol.wire import close_writer, read_frame, write_frame
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 HONEST = ["a", "b", "c"]
 ROUND_CAP = 40
 DOWNLOADS = 50
@@ -43,9 +43,9 @@ def _rss(pid: int) -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _honest_head(leech: SwarmNode, honest: set[str]) -> PeerRecord:
+async def _honest_head(leech: SwarmNode, honest: set[str]) -> PeerRecord:
     """The record of the honest peer furthest ahead, as the leech reads it from the DHT."""
-    records = leech.call(leech.fetch_records(timeout=5), timeout=10)
+    records = await leech.fetch_records(timeout=5)
     ahead = [r for p, r in records.items() if p in honest]
     assert ahead, records
     return max(ahead, key=lambda r: r.work)
@@ -63,18 +63,24 @@ async def _data_addrs(leech: SwarmNode, donor: str, fingerprint: str) -> list[st
         close_writer(writer)
 
 
-async def _downloads(leech: SwarmNode, honest: set[str], record: PeerRecord, n: int) -> list[str]:
-    """`n` full downloads of `record`'s state at once; per download "ok" (verified) or why it failed."""
+async def _downloads(leech: SwarmNode, honest: set[str], n: int, *, tries: int = 3) -> list[str]:
+    """`n` full downloads at once of the newest honest state; per download "ok" (verified) or why it failed. The
+    swarm moves on every few seconds and a donor serves only its current state, so a download whose state moved
+    on is retried at the new head, `tries` times in all."""
     layout = layout_of(build_replica(build_config(env={})))
 
     async def one() -> str:
-        try:
-            await download_state(leech, donors=sorted(honest), round_number=record.round, state_hash=record.state_hash,
-                                 layout=layout, fingerprint=record.fingerprint, ticket=leech.credentials.ticket,
-                                 config=FetchConfig(busy_retry_s=0.2), timeout=60)
-            return "ok"
-        except StateSyncError as exc:
-            return str(exc)
+        why = ""
+        for _ in range(tries):
+            record = await _honest_head(leech, honest)
+            try:
+                await download_state(leech, donors=sorted(honest), round_number=record.round,
+                                     state_hash=record.state_hash, layout=layout, fingerprint=record.fingerprint,
+                                     ticket=leech.credentials.ticket, config=FetchConfig(busy_retry_s=0.2), timeout=30)
+                return "ok"
+            except StateSyncError as exc:
+                why = str(exc)
+        return why
 
     return list(await asyncio.gather(*(one() for _ in range(n))))
 
@@ -91,7 +97,7 @@ def test_stalling_member_connection_flood_and_fifty_downloads_leave_honest_round
     try:
         rss_before = {n: _rss(swarm.peers[n].proc.pid) for n in HONEST}  # type: ignore[union-attr]
         start_round = max(max(swarm.committed(n)) for n in HONEST)
-        record = _honest_head(leeches[0], honest)
+        record = leeches[0].call(_honest_head(leeches[0], honest), timeout=15)
         for peer in honest:
             for address in leeches[0].call(_data_addrs(leeches[0], peer, record.fingerprint), timeout=60):
                 host, port = address.rsplit(":", 1)
@@ -99,14 +105,15 @@ def test_stalling_member_connection_flood_and_fifty_downloads_leave_honest_round
                 for _ in range(SILENT_PER_ADDRESS):
                     silent.append(socket.create_connection((host, int(port)), timeout=5))
         assert silent, "no honest peer announced a TCP data plane"
-        results = [f.result(timeout=120) for f in [
-            asyncio.run_coroutine_threadsafe(_downloads(leech, honest, record, DOWNLOADS // len(leeches)), leech.loop)
+        results = [f.result(timeout=150) for f in [
+            asyncio.run_coroutine_threadsafe(_downloads(leech, honest, DOWNLOADS // len(leeches)), leech.loop)
             for leech in leeches]]
         outcomes = [r for per_leech in results for r in per_leech]
         assert len(outcomes) == DOWNLOADS
-        # A download either verified every chunk, or failed saying why (busy donors, a state that moved on); none
-        # ended in an unverified blob, and the honest donors served some of them despite the flood.
-        assert "ok" in outcomes, outcomes
+        # A download either verified every chunk, or failed saying why (busy donors, a state that moved on three
+        # times); none ended in an unverified blob, and the flooded donors served most of them (all 50 on a quiet
+        # machine).
+        assert outcomes.count("ok") >= DOWNLOADS // 2, outcomes
         swarm.wait_for(lambda: all(max(swarm.committed(n)) >= start_round + 3 for n in HONEST), 240,
                        "three more certified rounds on every honest peer under attack")
         growth = {n: _rss(swarm.peers[n].proc.pid) - rss_before[n] for n in HONEST}  # type: ignore[union-attr]
