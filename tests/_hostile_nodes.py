@@ -6,9 +6,12 @@ from typing import Any
 
 from swarm_harness import Swarm
 
+from protocol import swarmloco_wire_pb2 as pb
 from protocol.admission import Credentials, Gate, Ticket
 from protocol.identity import Identity, load_or_create_identity
 from protocol.node import NetworkConfig, SwarmNode
+from protocol.state_sync import state_handler
+from protocol.wire import close_writer, read_frame, write_frame
 
 
 def key(swarm: Swarm, name: str) -> Identity:
@@ -29,3 +32,16 @@ def node(swarm: Swarm, name: str, *, ticket: bytes) -> SwarmNode:
     out = SwarmNode(net, credentials=Credentials(key(swarm, name), ticket), gate=Gate(swarm.run_id, swarm.authority))
     out.start()
     return out
+
+
+async def ask_state(node: SwarmNode, peer: str, fingerprint: str, **request: Any) -> pb.StateHeader:
+    """`peer`'s answer to one state request from `node` (`request`: the StateRequest's other fields, such as
+    `length=1` or `manifest=True`); the session is dropped after the header."""
+    reader, writer = await node.open_stream(peer, state_handler(node.run_id), timeout=10)
+    try:
+        await write_frame(writer, pb.StateRequest(run_id=node.run_id, fingerprint=fingerprint,
+                                                  ticket=node.credentials.ticket, **request), timeout=10)
+        header, _ = await read_frame(reader, pb.StateHeader, max_payload=2**31, timeout=30)
+        return header
+    finally:
+        close_writer(writer)

@@ -23,6 +23,7 @@ from typing import Any
 import hivemind
 import pytest
 import torch
+from _hostile_nodes import ask_state
 from _hostile_nodes import key as _key
 from _hostile_nodes import node as _node
 from _hostile_nodes import ticket as _ticket
@@ -36,7 +37,7 @@ from protocol.identity import load_or_create_identity
 from protocol.node import SwarmNode
 from protocol.records import PROTOCOL_VERSION, PeerRecord, peers_key, revocations_key
 from protocol.signed_records import seal
-from protocol.state_sync import ServedState, StateServer, state_handler
+from protocol.state_sync import ServedState, StateServer
 from protocol.wire import close_writer, read_frame, write_frame
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
@@ -80,17 +81,6 @@ async def _ask_join(node: SwarmNode, peer: str, fingerprint: str) -> pb.JoinRepl
                                                  ticket=node.credentials.ticket), timeout=10)
         reply, _ = await read_frame(reader, pb.JoinReply, max_payload=0, timeout=10)
         return reply
-    finally:
-        close_writer(writer)
-
-
-async def _ask_state(node: SwarmNode, peer: str, fingerprint: str) -> pb.StateHeader:
-    reader, writer = await node.open_stream(peer, state_handler(node.run_id), timeout=10)
-    try:
-        await write_frame(writer, pb.StateRequest(run_id=node.run_id, fingerprint=fingerprint, length=1,
-                                                  ticket=node.credentials.ticket), timeout=10)
-        header, _ = await read_frame(reader, pb.StateHeader, max_payload=2**31, timeout=30)
-        return header
     finally:
         close_writer(writer)
 
@@ -190,7 +180,7 @@ def test_hostile_peers_cannot_move_the_swarm(swarm: Swarm) -> None:
                         break
                     time.sleep(1)
                 assert reply.status == pb.JoinReply.NOT_ADMITTED, (why, reply)
-                header = node.call(_ask_state(node, peer, fingerprint), timeout=60)
+                header = node.call(ask_state(node, peer, fingerprint, length=1), timeout=60)
                 assert not header.ok and "not admitted" in header.message, (why, header)
         swarm.wait_for(lambda: all(len(swarm.committed(n)) >= 6 for n in HONEST), 300,
                        "six certified rounds on every honest peer")

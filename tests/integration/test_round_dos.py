@@ -18,17 +18,15 @@ import signal
 import socket
 
 import pytest
-from _hostile_nodes import node, ticket
+from _hostile_nodes import ask_state, node, ticket
 from swarm_harness import Swarm, assert_no_split
 
 from peer.cli import build_replica
 from peer.config import build_config
 from peer.swarm_state import layout_of
-from protocol import swarmloco_wire_pb2 as pb
 from protocol.node import SwarmNode
 from protocol.records import PeerRecord
-from protocol.state_sync import FetchConfig, StateSyncError, download_state, state_handler
-from protocol.wire import close_writer, read_frame, write_frame
+from protocol.state_sync import FetchConfig, StateSyncError, download_state
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 HONEST = ["a", "b", "c"]
@@ -49,18 +47,6 @@ async def _honest_head(leech: SwarmNode, honest: set[str]) -> PeerRecord:
     ahead = [r for p, r in records.items() if p in honest]
     assert ahead, records
     return max(ahead, key=lambda r: r.work)
-
-
-async def _data_addrs(leech: SwarmNode, donor: str, fingerprint: str) -> list[str]:
-    """The donor's TCP data plane, from the manifest of a state session (which is then dropped)."""
-    reader, writer = await leech.open_stream(donor, state_handler(leech.run_id), timeout=10)
-    try:
-        await write_frame(writer, pb.StateRequest(run_id=leech.run_id, fingerprint=fingerprint, manifest=True,
-                                                  ticket=leech.credentials.ticket), timeout=10)
-        header, _ = await read_frame(reader, pb.StateHeader, max_payload=1 << 20, timeout=30)
-        return list(header.data_addrs)
-    finally:
-        close_writer(writer)
 
 
 async def _downloads(leech: SwarmNode, honest: set[str], n: int, *, tries: int = 3) -> list[str]:
@@ -99,7 +85,8 @@ def test_stalling_member_connection_flood_and_fifty_downloads_leave_honest_round
         start_round = max(max(swarm.committed(n)) for n in HONEST)
         record = leeches[0].call(_honest_head(leeches[0], honest), timeout=15)
         for peer in honest:
-            for address in leeches[0].call(_data_addrs(leeches[0], peer, record.fingerprint), timeout=60):
+            manifest = leeches[0].call(ask_state(leeches[0], peer, record.fingerprint, manifest=True), timeout=60)
+            for address in manifest.data_addrs:  # the donor's TCP data plane
                 host, port = address.rsplit(":", 1)
                 assert host == "127.0.0.1", address  # test traffic stays on loopback
                 for _ in range(SILENT_PER_ADDRESS):
