@@ -77,12 +77,16 @@ class Matchmaker:
         # Leaders that accepted us and then never closed the group: skipped across rounds for a while. The leader
         # order only changes with the state, so without this one stalling leader would hold every retry.
         self._stalled: dict[str, float] = {}
+        self._held: set[str] = set()  # of those, the ones that held us to our deadline: never followed while skipped
         self._released: dict[str, float] = {}  # leaders that released us once: until when a second release is a stall
         self.banned: dict[str, str] = {}  # peers proven to have cheated: never our leader, never in our group
 
-    def skip_leader(self, leader: str, why: str) -> None:
-        """Skip `leader` for a few round timeouts: it took us in, and the round ended uncertified (on the loop)."""
+    def skip_leader(self, leader: str, why: str, *, held: bool = False) -> None:
+        """Skip `leader` for a few round timeouts: it took us in, and the round ended uncertified (on the loop).
+        `held`: it kept us waiting until our deadline, the one stall no honest leader causes on purpose."""
         self._stalled[leader] = time.monotonic() + STALL_SKIP_ROUNDS * self.cfg.round_timeout_s
+        if held:
+            self._held.add(leader)
         logger.info("skipping leader %s for the next rounds: %s", leader[-8:], why)
 
     def _released_or_stalled(self, leader: str, round_number: int, exc: WireError) -> None:
@@ -92,8 +96,9 @@ class Matchmaker:
         and letting them go, round after round), is a stall: skipped for the next rounds."""
         now = time.monotonic()
         self._released = {p: t for p, t in self._released.items() if t > now}
-        if isinstance(exc.__cause__, TimeoutError) or leader in self._released:
-            self.skip_leader(leader, f"round {round_number}: it accepted us but never closed its group")
+        held = isinstance(exc.__cause__, TimeoutError)
+        if held or leader in self._released:
+            self.skip_leader(leader, f"round {round_number}: it accepted us but never closed its group", held=held)
         else:
             self._released[leader] = now + STALL_SKIP_ROUNDS * self.cfg.round_timeout_s
 
@@ -155,14 +160,16 @@ class Matchmaker:
         now = time.monotonic()
         attempt.skip = {p: t for p, t in attempt.skip.items() if t > now}
         self._stalled = {p: t for p, t in self._stalled.items() if t > now}
+        self._held &= self._stalled.keys()
         me, needed = self.transport.peer_id, need(attempt.swarm, self.cfg.quorum)
         # Skipping a stalled leader must not leave us unable to form a group of the size a round needs: peers judge
-        # stalls each on its own, and an honest leader can look stalled to one member (it ran into its deadline with
-        # us waiting). Where the peers at our state without the stalled ones are too few, every peer that is
-        # needed is a candidate again, and all of us follow the one leader order.
+        # stalls each on its own, and an honest leader can look stalled to one member (it released us twice, or
+        # its round was lost). Where the peers at our state without the stalled ones are too few, those are
+        # candidates again, and all of us follow the one leader order. A leader that held us to our deadline stays
+        # skipped: a record missing from one DHT read would otherwise hand a holding attacker every member again.
         stalled = set(self._stalled)
         if len(({p for p in here if p not in self.banned} | {me}) - stalled) < needed:
-            stalled.clear()
+            stalled = set(self._held)
         candidates = [p for p, r in here.items()
                       if r.ready and p not in attempt.skip and p not in stalled and p not in self.banned]
         members = len(self._collect.members) if self._collect is not None else 0

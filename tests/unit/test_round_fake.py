@@ -254,6 +254,8 @@ def test_a_leader_that_releases_us_twice_or_holds_us_to_the_deadline_is_skipped_
     assert "merger" in mm._stalled
     mm._released_or_stalled("holder", 1, timed_out)
     assert "holder" in mm._stalled
+    # only holding us to the deadline stays skipped where the round could not do without the leader
+    assert mm._held == {"holder"}
 
 
 class _SlowReplyWriter:
