@@ -41,7 +41,7 @@ COPY pyproject.toml README.md ./
 COPY protocol ./protocol
 COPY peer ./peer
 COPY coordinator ./coordinator
-COPY scripts ./scripts
+COPY swarmloco ./swarmloco
 RUN pip install . \
     && python -c "import torch; assert torch.__version__.split('+')[0] == '2.13.0', torch.__version__" \
     && swarmloco --help > /dev/null

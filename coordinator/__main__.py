@@ -1,15 +1,16 @@
-"""``python -m coordinator``: run the coordinator as a process (argv documented in :mod:`coordinator.cli`)."""
+"""``python -m swarmloco.coordinator``: run the coordinator as a process (argv documented in
+:mod:`swarmloco.coordinator.cli`)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from coordinator.cli import add_coordinator_arguments, run_coordinator
+from swarmloco.coordinator.cli import add_coordinator_arguments, run_coordinator
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m coordinator", description="swarmloco coordinator")
+    parser = argparse.ArgumentParser(prog="python -m swarmloco.coordinator", description="swarmloco coordinator")
     add_coordinator_arguments(parser)
     return run_coordinator(parser.parse_args(argv))
 

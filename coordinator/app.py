@@ -2,7 +2,7 @@
 
 JSON API under ``/api`` (OpenAPI schema at ``/openapi.json``, docs at ``/docs``), ``/healthz``, Prometheus text at
 ``/metrics`` and the dashboard (static files) at ``/``. The run's authority answers ``GET /api/authority``,
-``POST /api/tickets`` (a request signed by the peer, see :mod:`protocol.ticket_request`) and
+``POST /api/tickets`` (a request signed by the peer, see :mod:`swarmloco.protocol.trust.ticket_request`) and
 ``GET /api/revocations`` (the signed list). Bad input gets a 4xx with an ``error`` message; an unexpected
 server-side failure answers 503 (retryable) rather than 500.
 """
@@ -21,8 +21,8 @@ from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from coordinator.service import CoordinatorService
-from protocol.ticket_request import MAX_REQUEST_BYTES
+from swarmloco.coordinator.service import CoordinatorService
+from swarmloco.protocol.trust.ticket_request import MAX_REQUEST_BYTES
 
 __all__ = ["create_app"]
 
@@ -83,7 +83,7 @@ def create_app(service: CoordinatorService) -> FastAPI:
         logger.exception("unexpected error while serving a request")
         return _error(503, f"coordinator error ({type(exc).__name__}); retry later")
 
-    @app.post("/api/reports", summary="Submit one signed report (see protocol/reports.py for the schema)",
+    @app.post("/api/reports", summary="Submit one signed report (see protocol/trust/reports.py for the schema)",
               responses={400: {}, 401: {}, 403: {}, 409: {}, 413: {}, 422: {}, 429: {}})
     async def post_report(request: Request) -> JSONResponse:
         raw = await _read_capped(request, service.config.max_report_bytes)
@@ -100,7 +100,7 @@ def create_app(service: CoordinatorService) -> FastAPI:
         return service.authority.info()
 
     @app.post("/api/tickets", summary="Request an admission ticket with a request signed by the peer's key (see "
-                                      "protocol/ticket_request.py)",
+                                      "protocol/trust/ticket_request.py)",
               responses={400: {}, 401: {}, 403: {}, 409: {}, 413: {}, 422: {}, 429: {}})
     async def post_ticket(request: Request) -> JSONResponse:
         raw = await _read_capped(request, MAX_REQUEST_BYTES)

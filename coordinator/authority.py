@@ -18,12 +18,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.limits import RateLimiter
-from coordinator.store import Store
-from coordinator.store_authority import IssuedTicket
-from protocol.admission import AdmissionPolicy, Gate, Revocations, Ticket
-from protocol.identity import Identity
-from protocol.ticket_request import MAX_AGE_S, MAX_AHEAD_S, TicketRequestError, parse_ticket_request
+from swarmloco.coordinator.limits import RateLimiter
+from swarmloco.coordinator.store import Store
+from swarmloco.coordinator.store_authority import IssuedTicket
+from swarmloco.protocol.trust.admission import AdmissionPolicy, Gate, Revocations, Ticket
+from swarmloco.protocol.trust.identity import Identity
+from swarmloco.protocol.trust.ticket_request import MAX_AGE_S, MAX_AHEAD_S, TicketRequestError, parse_ticket_request
 
 __all__ = ["HOSTILE_INPUT_ERRORS", "LONE_SURROGATE", "Answer", "Authority", "AuthorityConfig", "bad_input",
            "valid_unicode"]

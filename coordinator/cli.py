@@ -1,10 +1,10 @@
-"""Command-line hooks for ``swarmloco coordinator`` and ``swarmloco status`` (wired into scripts/cli.py).
+"""Command-line hooks for ``swarmloco coordinator`` and ``swarmloco status`` (wired into swarmloco/cli.py).
 
 Subprocess use (local swarm launcher, tests)::
 
-    python -m coordinator --db runs.sqlite --port 0 --ready-file ready.json [--no-dht] [--run-id RUN]
+    python -m swarmloco.coordinator --db runs.sqlite --port 0 --ready-file ready.json [--no-dht] [--run-id RUN]
 
-The ready file appears (atomically) once the server accepts connections; see :mod:`coordinator.server` for its
+The ready file appears (atomically) once the server accepts connections; see :mod:`swarmloco.coordinator.server` for its
 JSON fields (``url``, ``port``, ``dht_maddrs``, ``join_command``, ...). SIGINT/SIGTERM stop it cleanly.
 
 Who may join: ``--admission open|invite|allowlist|none`` (with ``--invite-code``/``--invite-file`` or
@@ -24,16 +24,17 @@ from typing import Any
 
 # Only light modules here: `swarmloco --help` and argument errors must not wait for uvicorn, fastapi or hivemind,
 # which run_coordinator and run_status import when they are needed.
-from coordinator.revocation_cli import add_revocation_commands, run_revocation
-from protocol.admission import POLICIES, AdmissionPolicy, load_allowlist
-from protocol.ports import port_taken
+from swarmloco.coordinator.revocation_cli import add_revocation_commands, run_revocation
+from swarmloco.protocol.network.ports import port_taken
+from swarmloco.protocol.trust.admission import POLICIES, AdmissionPolicy, load_allowlist
 
 __all__ = ["add_coordinator_arguments", "add_status_arguments", "admission_policy", "run_coordinator", "run_status"]
 
 logger = logging.getLogger(__name__)
 
 MAX_INVITE_FILE_BYTES = 1024 * 1024
-MAX_INVITE_CODE_CHARS = 256  # protocol.ticket_request.MAX_INVITE_CHARS: a longer code could never be presented
+# ticket_request.MAX_INVITE_CHARS (swarmloco.protocol.trust): a longer code could never be presented
+MAX_INVITE_CODE_CHARS = 256
 
 
 def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:
@@ -171,11 +172,11 @@ def run_coordinator(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if getattr(args, "coordinator_action", None):
         return run_revocation(args)
-    from coordinator.authority import AuthorityConfig
-    from coordinator.connections import ConnectionLimits
-    from coordinator.server import CoordinatorConfig, CoordinatorServer
-    from coordinator.service import ServiceConfig
-    from coordinator.store import StoreError
+    from swarmloco.coordinator.authority import AuthorityConfig
+    from swarmloco.coordinator.connections import ConnectionLimits
+    from swarmloco.coordinator.server import CoordinatorConfig, CoordinatorServer
+    from swarmloco.coordinator.service import ServiceConfig
+    from swarmloco.coordinator.store import StoreError
 
     problem = _ports_problem(args)
     if problem:

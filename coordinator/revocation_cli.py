@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from protocol.admission import MAX_REVOKED
-from protocol.identity import public_key_from_peer_id
+from swarmloco.protocol.trust.admission import MAX_REVOKED
+from swarmloco.protocol.trust.identity import public_key_from_peer_id
 
 __all__ = ["add_revocation_commands", "run_revocation"]
 
@@ -37,8 +37,8 @@ def add_revocation_commands(parser: argparse.ArgumentParser) -> None:
 
 def run_revocation(args: argparse.Namespace) -> int:
     """Run ``revoke``/``unrevoke``; exit code 0 on success (also when nothing changed), 2 on bad input."""
-    from coordinator.server import REVOCATIONS_EVERY_S  # uvicorn and fastapi: not needed to build the parser
-    from coordinator.store import SQLiteStore, StoreError
+    from swarmloco.coordinator.server import REVOCATIONS_EVERY_S  # uvicorn and fastapi: not needed to build the parser
+    from swarmloco.coordinator.store import SQLiteStore, StoreError
 
     action, peer_id = args.coordinator_action, args.peer_id.strip()
     prog = f"swarmloco coordinator {action}"

@@ -32,12 +32,12 @@ from typing import Any, Self
 
 import uvicorn
 
-from coordinator.app import create_app
-from coordinator.connections import ConnectionGuard, ConnectionLimits, guarded_protocol
-from coordinator.service import CoordinatorService, ServiceConfig
-from coordinator.store import SQLiteStore
-from protocol.identity import load_or_create_identity
-from protocol.records import revocations_key
+from swarmloco.coordinator.app import create_app
+from swarmloco.coordinator.connections import ConnectionGuard, ConnectionLimits, guarded_protocol
+from swarmloco.coordinator.service import CoordinatorService, ServiceConfig
+from swarmloco.coordinator.store import SQLiteStore
+from swarmloco.protocol.base.records import revocations_key
+from swarmloco.protocol.trust.identity import load_or_create_identity
 
 __all__ = ["CoordinatorConfig", "CoordinatorServer", "join_command"]
 
@@ -93,7 +93,7 @@ class CoordinatorServer:
         self.port: int = self._sock.getsockname()[1]
         shown = "127.0.0.1" if config.host in ("0.0.0.0", "") else config.host
         self.url = f"http://{shown}:{self.port}" if ":" not in shown else f"http://[{shown}]:{self.port}"
-        # Connections are capped and timed out by the guard (see coordinator.connections); uvicorn's own
+        # Connections are capped and timed out by the guard (see swarmloco.coordinator.connections); uvicorn's own
         # limit_concurrency would count idle connections and answer real requests 503.
         self.connections = ConnectionGuard.for_process(config.connections)
         self._server = uvicorn.Server(uvicorn.Config(
@@ -116,7 +116,7 @@ class CoordinatorServer:
             return
         import hivemind  # heavy; only when the bootstrap node is wanted
 
-        from protocol.signed_records import RunValidator
+        from swarmloco.protocol.trust.signed_records import RunValidator
 
         # The bootstrap node checks what it stores like every peer does: signed records with tickets only.
         authority = None if self.service.authority.mode == "none" else self.identity.peer_id

@@ -9,7 +9,7 @@ holds a ticket of this coordinator (403) -> the peer's own rate (429) -> one ato
 A committed round report creates and credits its round only with a commit certificate that verifies (signatures
 of a majority of the swarm, each signer admitted) and matches the report; the round's members, weights and state
 come from the certificate. Without one the report is kept as the peer's claim. Ticket issuance and revocation
-live in :mod:`coordinator.authority`.
+live in :mod:`swarmloco.coordinator.authority`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import generate_latest
 
-from coordinator.authority import (
+from swarmloco.coordinator.authority import (
     HOSTILE_INPUT_ERRORS,
     LONE_SURROGATE,
     Answer,
@@ -33,11 +33,11 @@ from coordinator.authority import (
     bad_input,
     valid_unicode,
 )
-from coordinator.limits import RateLimiter
-from coordinator.store import Page, Store
-from protocol.certificates import Certificate
-from protocol.identity import Identity
-from protocol.reports import MAX_REPORT_BYTES, Report, ReportError, content_hash, parse_report
+from swarmloco.coordinator.limits import RateLimiter
+from swarmloco.coordinator.store import Page, Store
+from swarmloco.protocol.trust.certificates import Certificate
+from swarmloco.protocol.trust.identity import Identity
+from swarmloco.protocol.trust.reports import MAX_REPORT_BYTES, Report, ReportError, content_hash, parse_report
 
 __all__ = ["Answer", "CoordinatorService", "ServiceConfig"]
 

@@ -1,7 +1,7 @@
 """Progress store: the only place that speaks SQL.
 
 :class:`Store` is the interface the service uses (runs, peers, rounds, metrics, the report ledger, and the
-authority's tickets and revocations in :mod:`coordinator.store_authority`); the embedded default
+authority's tickets and revocations in :mod:`swarmloco.coordinator.store_authority`); the embedded default
 :class:`SQLiteStore` keeps everything in one SQLite file in WAL mode with ``synchronous=FULL``, so a report
 acknowledged with a 2xx has been fsynced. Schema changes are numbered migrations tracked by ``PRAGMA user_version``;
 ``PRAGMA integrity_check`` runs at start-up and refuses a damaged file. Each report is stored in a single
@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from coordinator.migrations import MIGRATIONS
-from coordinator.store_authority import AuthorityTables, IssuedTicket
-from coordinator.store_listings import Listings, Page
-from protocol.certificates import Certificate
-from protocol.reports import Report
+from swarmloco.coordinator.migrations import MIGRATIONS
+from swarmloco.coordinator.store_authority import AuthorityTables, IssuedTicket
+from swarmloco.coordinator.store_listings import Listings, Page
+from swarmloco.protocol.trust.certificates import Certificate
+from swarmloco.protocol.trust.reports import Report
 
 __all__ = ["Page", "SQLiteStore", "Store", "StoreError", "StoredReport"]
 

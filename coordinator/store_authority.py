@@ -33,7 +33,7 @@ _TICKET_COLUMNS = "run_id, peer_id, role, issued_at, expires_at, nonce, request_
 
 
 class AuthorityTables:
-    """Mixed into :class:`coordinator.store.SQLiteStore`, which owns the connection and its lock."""
+    """Mixed into :class:`swarmloco.coordinator.store.SQLiteStore`, which owns the connection and its lock."""
 
     _conn: sqlite3.Connection
     _lock: threading.Lock

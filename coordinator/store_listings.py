@@ -19,7 +19,7 @@ class Page:
 
 
 class Listings:
-    """Mixed into :class:`coordinator.store.SQLiteStore`, which owns the connection and its lock."""
+    """Mixed into :class:`swarmloco.coordinator.store.SQLiteStore`, which owns the connection and its lock."""
 
     _conn: sqlite3.Connection
     _lock: threading.Lock

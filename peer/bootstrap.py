@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from peer.config import BootstrapConfig, ConfigError, PeerConfig
+from swarmloco.peer.config import BootstrapConfig, ConfigError, PeerConfig
 
 logger = logging.getLogger(__name__)
 PTR = 12  # DNS record type of a reverse-lookup answer

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from peer.replica import Replica
+from swarmloco.peer.replica import Replica
 
 SIDECAR = "state.json"
 FORMAT_VERSION = 1

@@ -12,15 +12,15 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from peer import bootstrap, preflight
-from peer import config as config_mod
-from peer.checkpoint import CheckpointError
-from peer.config import ConfigError, PeerConfig
-from peer.data import ShardSpec
-from peer.replica import Replica
-from peer.signals import StopFlag
-from peer.task import TaskContext, load_task
-from protocol.identity import IdentityError
+from swarmloco.peer import bootstrap, preflight
+from swarmloco.peer import config as config_mod
+from swarmloco.peer.checkpoint import CheckpointError
+from swarmloco.peer.config import ConfigError, PeerConfig
+from swarmloco.peer.data import ShardSpec
+from swarmloco.peer.replica import Replica
+from swarmloco.peer.signals import StopFlag
+from swarmloco.peer.task import TaskContext, load_task
+from swarmloco.protocol.trust.identity import IdentityError
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
 def build_replica(cfg: PeerConfig, *, data_seed: int = 0) -> Replica:
     run, train = cfg.run, cfg.train
     if run.shard_index is None:
-        raise ConfigError("shard_index: still 'auto'; resolve the config with peer.bootstrap.resolve first")
+        raise ConfigError("shard_index: still 'auto'; resolve the config with swarmloco.peer.bootstrap.resolve first")
     ctx = TaskContext(
         shard=ShardSpec(index=run.shard_index, count=run.num_shards),
         seed=cfg.runtime.seed,
@@ -46,7 +46,7 @@ def build_replica(cfg: PeerConfig, *, data_seed: int = 0) -> Replica:
 
 def swarm_data_seed(cfg: PeerConfig) -> int:
     """Per-peer data order, derived from the stable peer id: peers that share a shard still see different batches."""
-    from protocol.identity import load_or_create_identity
+    from swarmloco.protocol.trust.identity import load_or_create_identity
 
     path = Path(cfg.identity_path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -79,12 +79,12 @@ def run_peer(args: argparse.Namespace) -> int:
         replica = build_replica(cfg, data_seed=0 if run.solo else swarm_data_seed(cfg))
         stop = StopFlag().install()
         if run.solo:
-            from peer.solo import run_solo
+            from swarmloco.peer.solo import run_solo
 
             summary = run_solo(replica, cfg, stop=stop)
         else:
-            from peer.swarm_runner import IncompatibleSwarm, run_swarm_peer
-            from peer.tickets import AdmissionSetupError
+            from swarmloco.peer.swarm_runner import IncompatibleSwarm, run_swarm_peer
+            from swarmloco.peer.tickets import AdmissionSetupError
 
             try:
                 summary = run_swarm_peer(replica, cfg, stop=stop)

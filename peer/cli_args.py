@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from peer.options import CONFIG_ENV, OPTIONS
+from swarmloco.peer.options import CONFIG_ENV, OPTIONS
 
 logger = logging.getLogger(__name__)
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ def option_spec(*, cache_dir: Path | None = None) -> dict[str, Any]:
             return spec
     except (OSError, ValueError):
         pass
-    from peer.config import option_spec as from_dataclasses  # the slow path: torch and hivemind
+    from swarmloco.peer.config import option_spec as from_dataclasses  # the slow path: torch and hivemind
 
     spec = from_dataclasses()
     try:

@@ -19,12 +19,12 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from peer.options import CONFIG_ENV, ENV_PREFIX, OPTIONS, OTHER_ENV, Option
-from peer.outer import OuterConfig
-from peer.presets import PRESETS
-from peer.tickets import AdmissionConfig
-from protocol.node import NetworkConfig
-from protocol.rounds import MAX_TOKENS, RoundConfig
+from swarmloco.peer.options import CONFIG_ENV, ENV_PREFIX, OPTIONS, OTHER_ENV, Option
+from swarmloco.peer.outer import OuterConfig
+from swarmloco.peer.presets import PRESETS
+from swarmloco.peer.tickets import AdmissionConfig
+from swarmloco.protocol.network.node import NetworkConfig
+from swarmloco.protocol.round.config import MAX_TOKENS, RoundConfig
 
 
 class ConfigError(ValueError):
@@ -219,7 +219,7 @@ def _coerce(value: Any, tp: Any, name: str, *, auto: bool = False) -> Any:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The peer's flags (peer/cli_args.py builds them from option_spec, cached)."""
-    from peer.cli_args import add_arguments as add
+    from swarmloco.peer.cli_args import add_arguments as add
 
     add(parser, option_spec())
 

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from peer.presets import PRESETS as PRESETS  # re-exported: the model's sizes sit beside the model
-from peer.presets import GPTConfig
+from swarmloco.peer.presets import PRESETS as PRESETS  # re-exported: the model's sizes sit beside the model
+from swarmloco.peer.presets import GPTConfig
 
 
 class Block(nn.Module):

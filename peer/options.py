@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from peer.presets import PRESETS
+from swarmloco.peer.presets import PRESETS
 
 ENV_PREFIX = "SWARMLOCO_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"  # the TOML file, like --config

@@ -11,8 +11,8 @@ import shutil
 from pathlib import Path
 from typing import IO
 
-from peer.config import ConfigError, PeerConfig
-from protocol.ports import port_taken, tcp_listen_addresses
+from swarmloco.peer.config import ConfigError, PeerConfig
+from swarmloco.protocol.network.ports import port_taken, tcp_listen_addresses
 
 LOCK_NAME = "peer.lock"
 _B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"

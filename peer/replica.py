@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from peer.config import RuntimeConfig, TrainConfig
-from peer.outer import OuterConfig, outer_step, pseudo_gradient
-from peer.task import Batch, Task, autocast_for
-from protocol.hashing import state_hash
+from swarmloco.peer.config import RuntimeConfig, TrainConfig
+from swarmloco.peer.outer import OuterConfig, outer_step, pseudo_gradient
+from swarmloco.peer.task import Batch, Task, autocast_for
+from swarmloco.protocol.base.hashing import state_hash
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from typing import Any
 
 import requests
 
-from protocol.identity import Identity
-from protocol.reports import Report, ReportError, build_report
+from swarmloco.protocol.trust.identity import Identity
+from swarmloco.protocol.trust.reports import Report, ReportError, build_report
 
 __all__ = ["Reporter", "ReporterConfig", "ReporterStats"]
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from peer.config import PeerConfig
-from peer.replica import Replica
-from peer.signals import StopFlag
-from peer.training import TrainingLoop, harness_hooks
+from swarmloco.peer.config import PeerConfig
+from swarmloco.peer.replica import Replica
+from swarmloco.peer.signals import StopFlag
+from swarmloco.peer.training import TrainingLoop, harness_hooks
 
 
 class SoloSync:

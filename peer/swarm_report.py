@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from peer.replica import Replica
-from protocol.outcome import Outcome
+from swarmloco.peer.replica import Replica
+from swarmloco.protocol.base.outcome import Outcome
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +30,8 @@ class SwarmReports:
         self._last_metrics = 0.0
         if not url or not identity_path:
             return
-        from peer.reporting import Reporter
-        from protocol.identity import load_or_create_identity
+        from swarmloco.peer.reporting import Reporter
+        from swarmloco.protocol.trust.identity import load_or_create_identity
 
         self.reporter = Reporter(url, load_or_create_identity(identity_path), run_id).start()
 

@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-from peer.config import PeerConfig
-from peer.progress import round_float
-from peer.replica import Replica
-from peer.signals import StopFlag
-from peer.swarm_report import SwarmReports
-from peer.swarm_state import (
+from swarmloco.peer.config import PeerConfig
+from swarmloco.peer.progress import round_float
+from swarmloco.peer.replica import Replica
+from swarmloco.peer.signals import StopFlag
+from swarmloco.peer.swarm_report import SwarmReports
+from swarmloco.peer.swarm_state import (
     all_finite,
     flatten,
     genesis_hash,
@@ -35,18 +35,20 @@ from peer.swarm_state import (
     state_blob,
     unflatten,
 )
-from peer.tickets import Admission
-from peer.training import TrainingLoop, harness_hooks
-from protocol.averager import Averager, Contribution, RoundResult
-from protocol.certificates import Certificate, Head
-from protocol.hashing import known_leaves
-from protocol.hooks import Hooks
-from protocol.identity import load_or_create_identity
-from protocol.matchmaking import Group, RoundAborted
-from protocol.node import SwarmNode
-from protocol.records import PeerRecord
-from protocol.rounds import Behind, Outcome, compatibility_problem, compatible, group_forming
-from protocol.state_sync import FetchConfig, ServedState, StateServer, StateSyncError, download_state
+from swarmloco.peer.tickets import Admission
+from swarmloco.peer.training import TrainingLoop, harness_hooks
+from swarmloco.protocol.base.hashing import known_leaves
+from swarmloco.protocol.base.hooks import Hooks
+from swarmloco.protocol.base.outcome import Outcome
+from swarmloco.protocol.base.records import PeerRecord
+from swarmloco.protocol.chain.forks import Behind
+from swarmloco.protocol.chain.state_sync import FetchConfig, ServedState, StateServer, StateSyncError, download_state
+from swarmloco.protocol.network.node import SwarmNode
+from swarmloco.protocol.round.averager import Averager, Contribution, RoundResult
+from swarmloco.protocol.round.matchmaking import Group, RoundAborted
+from swarmloco.protocol.round.rules import compatibility_problem, compatible, group_forming
+from swarmloco.protocol.trust.certificates import Certificate, Head
+from swarmloco.protocol.trust.identity import load_or_create_identity
 
 logger = logging.getLogger(__name__)
 PEEK_S = 0.5  # while training, how often a peer looks whether a group for its round is forming

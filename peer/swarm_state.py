@@ -1,16 +1,16 @@
 """Bridges a Replica's named tensors and the protocol's flat views: pseudo-gradients as one fp32 vector, the global
-state as one blob for donors (layout in `protocol.hashing.pack_state`), and re-basing local progress onto a newer
-global state."""
+state as one blob for donors (layout in `swarmloco.protocol.base.hashing.pack_state`), and re-basing local progress
+onto a newer global state."""
 from __future__ import annotations
 
 import json
 
 import torch
 
-from peer.replica import Replica
-from protocol.hashing import StateLayout, blob_hash, pack_state, state_hash, state_layout, unpack_state
-from protocol.records import fingerprint
-from protocol.rounds import LocalModel
+from swarmloco.peer.replica import Replica
+from swarmloco.protocol.base.hashing import StateLayout, blob_hash, pack_state, state_hash, state_layout, unpack_state
+from swarmloco.protocol.base.records import fingerprint
+from swarmloco.protocol.round.config import LocalModel
 
 
 def local_model(replica: Replica, seed: int) -> LocalModel:

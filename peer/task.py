@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from peer import data as corpus
-from peer.config import ConfigError
-from peer.model import GPT, PRESETS
+from swarmloco.peer import data as corpus
+from swarmloco.peer.config import ConfigError
+from swarmloco.peer.model import GPT, PRESETS
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ def load_task(spec: str | None, ctx: TaskContext) -> Task:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise TaskError(f"task: got {spec!r}, allowed 'package.module:factory' (a module, a colon, the name of a "
-                        "function in it that returns a peer.task.Task)")
+                        "function in it that returns a swarmloco.peer.task.Task)")
     module = _import_task_module(module_name)
     factory = getattr(module, attr, None)
     if not callable(factory):
@@ -168,5 +168,5 @@ def load_task(spec: str | None, ctx: TaskContext) -> Task:
                         f"it defines: {', '.join(found) or 'no functions'}")
     task = factory(ctx)
     if not isinstance(task, Task):
-        raise TaskError(f"task: {spec} returned {type(task).__name__}, expected peer.task.Task")
+        raise TaskError(f"task: {spec} returned {type(task).__name__}, expected swarmloco.peer.task.Task")
     return task

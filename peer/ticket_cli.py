@@ -14,8 +14,8 @@ import os
 import sys
 from pathlib import Path
 
-from protocol.admission import MAX_TICKET_S, ROLES, AdmissionError, Ticket
-from protocol.identity import IdentityError, load_or_create_identity, public_key_from_peer_id
+from swarmloco.protocol.trust.admission import MAX_TICKET_S, ROLES, AdmissionError, Ticket
+from swarmloco.protocol.trust.identity import IdentityError, load_or_create_identity, public_key_from_peer_id
 
 logger = logging.getLogger(__name__)
 

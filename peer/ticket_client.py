@@ -1,7 +1,7 @@
 """Asking the coordinator, the run's authority, for an admission ticket (blocking calls; no thread of its own).
 
 ``fetch_authority`` learns the run id, the authority's peer id and the admission policy; ``request_ticket`` proves
-we own our key with a signed request (protocol/ticket_request.py) and checks the ticket it gets back before anyone
+we own our key with a signed request (protocol/trust/ticket_request.py) and checks the ticket it gets back before anyone
 else sees it: for us, for this run, signed by that authority; ``fetch_revocations`` reads the signed revocation
 list (verify it with ``Revocations.parse`` or ``Gate.update_revocations``). Every failure is a
 :class:`TicketError` with a one-line message.
@@ -15,9 +15,9 @@ from typing import Any
 import requests
 import urllib3
 
-from protocol.admission import POLICIES, AdmissionError, Ticket
-from protocol.identity import Identity, public_key_from_peer_id
-from protocol.ticket_request import build_ticket_request
+from swarmloco.protocol.trust.admission import POLICIES, AdmissionError, Ticket
+from swarmloco.protocol.trust.identity import Identity, public_key_from_peer_id
+from swarmloco.protocol.trust.ticket_request import build_ticket_request
 
 __all__ = ["TicketError", "fetch_authority", "fetch_revocations", "request_ticket"]
 

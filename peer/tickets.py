@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from protocol.admission import DEFAULT_TICKET_S, AdmissionError, Credentials, Gate, Ticket
-from protocol.identity import Identity, IdentityError, load_or_create_identity
+from swarmloco.protocol.trust.admission import DEFAULT_TICKET_S, AdmissionError, Credentials, Gate, Ticket
+from swarmloco.protocol.trust.identity import Identity, IdentityError, load_or_create_identity
 
 logger = logging.getLogger(__name__)
 PRIVATE_WARNING = ("private swarm: no run authority is configured, so anyone who can reach these peers takes part "
@@ -88,7 +88,7 @@ class Admission:
         if cfg.authority:
             return cfg.authority
         if self.coordinator:
-            from peer.ticket_client import TicketError, fetch_authority
+            from swarmloco.peer.ticket_client import TicketError, fetch_authority
 
             try:
                 info = fetch_authority(self.coordinator, timeout=AUTHORITY_TIMEOUT_S)
@@ -111,7 +111,7 @@ class Admission:
             except (OSError, AdmissionError) as exc:
                 raise AdmissionSetupError(f"--ticket {cfg.ticket}: {exc}") from None
         elif self.coordinator:
-            from peer.ticket_client import TicketError, request_ticket
+            from swarmloco.peer.ticket_client import TicketError, request_ticket
 
             try:
                 ticket = request_ticket(self.coordinator, self.identity, self.run_id, invite=cfg.invite,

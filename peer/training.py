@@ -1,8 +1,8 @@
 """One training loop for every mode: inner steps until the round's budget is spent, then a sync strategy ends it.
 
-Solo training (M = 1 DiLoCo) ends a round by applying the peer's own pseudo-gradient (`peer.solo`); a swarm peer
-by averaging it with other peers' (`peer.swarm_runner`). Everything else lives here once: the budget and the stop
-conditions, the slowdown used to emulate slower hardware, evaluation and checkpoints after a round, the final
+Solo training (M = 1 DiLoCo) ends a round by applying the peer's own pseudo-gradient (`swarmloco.peer.solo`); a swarm
+peer by averaging it with other peers' (`swarmloco.peer.swarm_runner`). Everything else lives here once: the budget and
+the stop conditions, the slowdown used to emulate slower hardware, evaluation and checkpoints after a round, the final
 checkpoint and the run summary.
 """
 from __future__ import annotations
@@ -13,12 +13,12 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from peer import checkpoint
-from peer.config import PeerConfig
-from peer.progress import Progress, round_float
-from peer.replica import Replica
-from peer.signals import StopFlag
-from protocol.hooks import Hooks
+from swarmloco.peer import checkpoint
+from swarmloco.peer.config import PeerConfig
+from swarmloco.peer.progress import Progress, round_float
+from swarmloco.peer.replica import Replica
+from swarmloco.peer.signals import StopFlag
+from swarmloco.protocol.base.hooks import Hooks
 
 logger = logging.getLogger(__name__)
 FAULTS_ENV = "SWARMLOCO_FAULTS"
@@ -28,7 +28,7 @@ def harness_hooks() -> Hooks:
     """The no-op hooks; or, when a test harness set SWARMLOCO_FAULTS, its fault injector (never loaded otherwise)."""
     if not os.environ.get(FAULTS_ENV):
         return Hooks()
-    from protocol.testing.faults import FaultInjector
+    from swarmloco.protocol.testing.faults import FaultInjector
 
     return FaultInjector.from_env()
 

@@ -100,11 +100,12 @@ def _allreduce_worker(index: int, peers: int, numel: int, reps: int, codec: str,
         _enter_netns(netns[0])
     import torch
 
-    from protocol.averager import Averager, Contribution
-    from protocol.certificates import Head
-    from protocol.records import PeerRecord
-    from protocol.rounds import LocalModel, Outcome, RoundConfig
     from scripts.bench_hooks import HASH, _bench_node, _where
+    from swarmloco.protocol.base.outcome import Outcome
+    from swarmloco.protocol.base.records import PeerRecord
+    from swarmloco.protocol.round.averager import Averager, Contribution
+    from swarmloco.protocol.round.config import LocalModel, RoundConfig
+    from swarmloco.protocol.trust.certificates import Head
 
     torch.set_num_threads(1)
     node = None

@@ -1,5 +1,5 @@
-"""`bench codecs`: throughput of the pseudo-gradient codecs (protocol/codecs.py) on one flat fp32 tensor, against the
-pre-vectorisation implementation ("before", kept verbatim below) and against moving the bytes over loopback TCP.
+"""`bench codecs`: throughput of the pseudo-gradient codecs (protocol/base/codecs.py) on one flat fp32 tensor, against
+the pre-vectorisation implementation ("before", kept verbatim below) and against moving the bytes over loopback TCP.
 
 Per codec, in one process and on the same tensor (torch's thread count as the caller has it): encode, decode (into
 a fresh tensor), decode_accumulate (into a reused accumulator, as the reducer does), the before-encode and
@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from protocol.codecs import CODECS, get_codec
 from scripts.bench_common import ratio, table, write_json
 from scripts.bench_net import socket_seconds
+from swarmloco.protocol.base.codecs import CODECS, get_codec
 
 logger = logging.getLogger(__name__)
 

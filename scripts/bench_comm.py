@@ -39,8 +39,8 @@ def model_shapes(preset: str) -> tuple[list[int], int, int]:
     """(numel of every parameter tensor, context, default batch) for a preset of the default task."""
     import torch
 
-    from peer.model import GPT, PRESETS
-    from peer.task import DEFAULT_BATCH
+    from swarmloco.peer.model import GPT, PRESETS
+    from swarmloco.peer.task import DEFAULT_BATCH
 
     cfg = PRESETS[preset]
     with torch.device("meta"):

@@ -38,9 +38,9 @@ def _where(exc: BaseException) -> str:
 
 def _bench_node(index: int, run_id: str, bootstrap: list[str], *, host: str = "127.0.0.1") -> Any:
     """A started SwarmNode of a private benchmark swarm, with a throwaway identity of its own."""
-    from protocol.admission import Credentials, Gate
-    from protocol.identity import load_or_create_identity
-    from protocol.node import NetworkConfig, SwarmNode
+    from swarmloco.protocol.network.node import NetworkConfig, SwarmNode
+    from swarmloco.protocol.trust.admission import Credentials, Gate
+    from swarmloco.protocol.trust.identity import load_or_create_identity
 
     path = Path(tempfile.mkdtemp(prefix="swarmloco-bench-")) / f"peer-{index}.key"
     net = NetworkConfig(run_id=run_id, initial_peers=tuple(bootstrap), host_maddrs=(f"/ip4/{host}/tcp/0",),
@@ -116,7 +116,7 @@ def utilisation(
                 argv = [
                     sys.executable,
                     "-m",
-                    "scripts.cli",
+                    "swarmloco.cli",
                     "peer",
                     *common,
                     "--slowdown",

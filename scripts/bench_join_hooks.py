@@ -18,11 +18,11 @@ RUN_ID = "bench-join"
 def _join_donor(preset: str, bootstrap: list[str], out: Any, stop: Any) -> None:
     import torch
 
-    from peer.model import GPT, PRESETS
-    from protocol.data_plane import DataPlane
-    from protocol.hashing import pack_state, state_hash
-    from protocol.state_sync import ServedState, StateServer
     from scripts.bench_hooks import _bench_node
+    from swarmloco.peer.model import GPT, PRESETS
+    from swarmloco.protocol.base.hashing import pack_state, state_hash
+    from swarmloco.protocol.chain.state_sync import ServedState, StateServer
+    from swarmloco.protocol.network.data_plane import DataPlane
 
     torch.manual_seed(0)
     model = GPT(PRESETS[preset])
@@ -47,10 +47,10 @@ def _join_donor(preset: str, bootstrap: list[str], out: Any, stop: Any) -> None:
 
 def join_seconds(preset: str, donors: int) -> float:
     """Seconds from the joiner's first request to holding the donors' state, every chunk hash-verified."""
-    from peer.model import GPT, PRESETS
-    from protocol.hashing import state_layout
-    from protocol.state_sync import FetchConfig, download_state
     from scripts.bench_hooks import _bench_node
+    from swarmloco.peer.model import GPT, PRESETS
+    from swarmloco.protocol.base.hashing import state_layout
+    from swarmloco.protocol.chain.state_sync import FetchConfig, download_state
 
     ctx = mp.get_context("spawn")
     queue, stop = ctx.Queue(), ctx.Event()

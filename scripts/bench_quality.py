@@ -1,8 +1,8 @@
 """`bench quality`: eval loss of DiLoCo (M replicas, H inner steps) vs a data-parallel baseline at equal tokens.
 
-Mode: **in-process simulation**. The M replicas of a round are the project's own `peer.replica.Replica` objects in
-one process, each reading its own data shard; their pseudo-gradients are averaged with token weights and the same
-outer Nesterov step is applied to all of them, which is exactly what a swarm round computes (without the network,
+Mode: **in-process simulation**. The M replicas of a round are the project's own `swarmloco.peer.replica.Replica`
+objects in one process, each reading its own data shard; their pseudo-gradients are averaged with token weights and the
+same outer Nesterov step is applied to all of them, which is exactly what a swarm round computes (without the network,
 codecs, quorum or stragglers). Every replica's state hash is checked to be identical after each round.
 
 The data-parallel baseline is one process with an M× larger batch on the whole training set, which is
@@ -115,11 +115,11 @@ def plan_jobs(cfg: QualityConfig, hs: list[int], lrs: list[float], *, full_sweep
 
 
 def _replica(cfg: QualityConfig, shard: int, shards: int, batch: int, inner_steps: int, outer_lr: float) -> Any:
-    from peer.config import RuntimeConfig, TrainConfig
-    from peer.data import ShardSpec
-    from peer.outer import OuterConfig
-    from peer.replica import Replica
-    from peer.task import TaskContext, default_task
+    from swarmloco.peer.config import RuntimeConfig, TrainConfig
+    from swarmloco.peer.data import ShardSpec
+    from swarmloco.peer.outer import OuterConfig
+    from swarmloco.peer.replica import Replica
+    from swarmloco.peer.task import TaskContext, default_task
 
     task = default_task(
         TaskContext(shard=ShardSpec(index=shard, count=shards), seed=cfg.seed, preset=cfg.preset, batch_size=batch)

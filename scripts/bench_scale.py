@@ -102,7 +102,7 @@ def _failure(rc: int | None, workdir: Path, timed_out: bool) -> str:
 def run_swarm(n: int, args: argparse.Namespace, workdir: Path, *, rounds: int, inner_steps: int) -> dict[str, Any]:
     """One `swarmloco swarm` run of n peers; the summary and round phases, or a failure reason."""
     summary_path = workdir / "summary.json"
-    argv = [sys.executable, "-m", "scripts.cli", "swarm", "--peers", str(n), "--preset", "tiny",
+    argv = [sys.executable, "-m", "swarmloco.cli", "swarm", "--peers", str(n), "--preset", "tiny",
             "--rounds", str(rounds), "--inner-steps", str(inner_steps), "--codec", args.codec,
             "--no-coordinator", "--workdir", str(workdir), "--summary-json", str(summary_path),
             "--timeout", str(args.timeout), "--spawn", args.spawn, "--run-id", f"scale-{n}"]

@@ -40,11 +40,11 @@ def _per_call_us(fn: Any, *, seconds: float = 0.3) -> float:
 def check_costs() -> list[list[Any]]:
     from hivemind.utils import get_dht_time
 
-    from protocol.admission import Gate, Ticket
-    from protocol.certificates import Certificate, Statement
-    from protocol.identity import Identity
-    from protocol.records import PeerRecord
-    from protocol.signed_records import open_record, seal
+    from swarmloco.protocol.base.records import PeerRecord
+    from swarmloco.protocol.trust.admission import Gate, Ticket
+    from swarmloco.protocol.trust.certificates import Certificate, Statement
+    from swarmloco.protocol.trust.identity import Identity
+    from swarmloco.protocol.trust.signed_records import open_record, seal
 
     def key() -> Identity:
         return Identity(path=Path("<memory>"), private_key=Identity.generate())

@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from coordinator.server import CoordinatorConfig, CoordinatorServer
-from coordinator.service import ServiceConfig
-from protocol.identity import Identity, load_or_create_identity
-from scripts.bench_common import descendants  # noqa: F401  (re-exported: one /proc walker for all tests)
+from swarmloco.coordinator.server import CoordinatorConfig, CoordinatorServer
+from swarmloco.coordinator.service import ServiceConfig
+from swarmloco.proc_memory import descendants  # noqa: F401  (re-exported: one /proc walker for all tests)
+from swarmloco.protocol.trust.identity import Identity, load_or_create_identity
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,10 +61,10 @@ def child_env() -> dict[str, str]:
 
 def spawn_coordinator(db: Path, ready: Path, *extra: str, port: int = 0,
                       timeout: float = 60.0) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
-    """Start ``python -m coordinator`` and wait for its ready file; returns the process and the file's JSON."""
+    """Start ``python -m swarmloco.coordinator`` and wait for its ready file; returns the process and its JSON."""
     ready.unlink(missing_ok=True)
     with open(ready.with_suffix(".log"), "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "coordinator", "--db", str(db), "--port", str(port),
+        proc = subprocess.Popen([sys.executable, "-m", "swarmloco.coordinator", "--db", str(db), "--port", str(port),
                                  "--ready-file", str(ready), "--log-level", "WARNING", *extra],
                                 cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout

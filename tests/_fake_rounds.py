@@ -8,16 +8,17 @@ from collections.abc import Callable
 
 import torch
 
-from protocol import swarmloco_wire_pb2 as pb
-from protocol.admission import Gate
-from protocol.averager import Averager, Contribution, RoundResult
-from protocol.certificates import Head
-from protocol.hooks import Hooks
-from protocol.matchmaking import Group
-from protocol.records import PROTOCOL_VERSION, PeerRecord
-from protocol.rounds import LocalModel, RoundConfig, leader_rank
-from protocol.state_sync import ServedState, StateServer
-from protocol.testing.fake import FakeNetwork, FakeTransport
+from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
+from swarmloco.protocol.base.hooks import Hooks
+from swarmloco.protocol.base.records import PROTOCOL_VERSION, PeerRecord
+from swarmloco.protocol.chain.state_sync import ServedState, StateServer
+from swarmloco.protocol.round.averager import Averager, Contribution, RoundResult
+from swarmloco.protocol.round.config import LocalModel, RoundConfig
+from swarmloco.protocol.round.matchmaking import Group
+from swarmloco.protocol.round.rules import leader_rank
+from swarmloco.protocol.testing.fake import FakeNetwork, FakeTransport
+from swarmloco.protocol.trust.admission import Gate
+from swarmloco.protocol.trust.certificates import Head
 
 H0 = "0" * 64  # θ_0 of the fake run
 NUMEL = 1000  # several quantisation blocks, not a whole number of them: shards of unequal size

@@ -6,12 +6,12 @@ from typing import Any
 
 from swarm_harness import Swarm
 
-from protocol import swarmloco_wire_pb2 as pb
-from protocol.admission import Credentials, Gate, Ticket
-from protocol.identity import Identity, load_or_create_identity
-from protocol.node import NetworkConfig, SwarmNode
-from protocol.state_sync import state_handler
-from protocol.wire import close_writer, read_frame, write_frame
+from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
+from swarmloco.protocol.base.wire import close_writer, read_frame, write_frame
+from swarmloco.protocol.chain.state_sync import state_handler
+from swarmloco.protocol.network.node import NetworkConfig, SwarmNode
+from swarmloco.protocol.trust.admission import Credentials, Gate, Ticket
+from swarmloco.protocol.trust.identity import Identity, load_or_create_identity
 
 
 def key(swarm: Swarm, name: str) -> Identity:

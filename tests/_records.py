@@ -1,7 +1,7 @@
 """A well-formed peer record for tests of the rules that read records; pass the fields a test is about."""
 from __future__ import annotations
 
-from protocol.records import PROTOCOL_VERSION, PeerRecord
+from swarmloco.protocol.base.records import PROTOCOL_VERSION, PeerRecord
 
 H1, H2 = "1" * 64, "2" * 64
 

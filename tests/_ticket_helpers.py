@@ -7,15 +7,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from coordinator.server import CoordinatorServer
-from coordinator.service import CoordinatorService, ServiceConfig
-from coordinator.store import SQLiteStore
-from peer.ticket_client import request_ticket
-from protocol.admission import Ticket
-from protocol.certificates import Certificate, Statement
-from protocol.identity import Identity
-from protocol.reports import build_report
-from protocol.ticket_request import build_ticket_request
+from swarmloco.coordinator.server import CoordinatorServer
+from swarmloco.coordinator.service import CoordinatorService, ServiceConfig
+from swarmloco.coordinator.store import SQLiteStore
+from swarmloco.peer.ticket_client import request_ticket
+from swarmloco.protocol.trust.admission import Ticket
+from swarmloco.protocol.trust.certificates import Certificate, Statement
+from swarmloco.protocol.trust.identity import Identity
+from swarmloco.protocol.trust.reports import build_report
+from swarmloco.protocol.trust.ticket_request import build_ticket_request
 
 
 def admit(server: CoordinatorServer | str, identity: Identity, run_id: str, *, invite: str = "") -> Ticket:

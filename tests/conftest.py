@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from scripts.bench_common import descendants as _descendants  # one /proc walker for all tests
+from swarmloco.proc_memory import descendants as _descendants  # one /proc walker for all tests
 
 ROOT = Path(__file__).resolve().parents[1]
 _SHM_MANAGER = "torch_shm_manager"  # started by torch.multiprocessing for hivemind's shared tensors
@@ -60,7 +60,7 @@ def run_cli(
     args: list[str], env: dict[str, str], *, timeout: float = 240, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "scripts.cli", *args],
+        [sys.executable, "-m", "swarmloco.cli", *args],
         env=env,
         cwd=cwd or ROOT,
         capture_output=True,

@@ -14,9 +14,9 @@ from typing import Any
 import hivemind
 from conftest import _SHM_MANAGER, ROOT, _cmdline, _descendants
 
-from protocol.identity import load_or_create_identity
-from protocol.rounds import leader_rank
-from scripts.swarm import PeerProc
+from swarmloco.protocol.round.rules import leader_rank
+from swarmloco.protocol.trust.identity import load_or_create_identity
+from swarmloco.swarm import PeerProc
 
 FAST = [
     "--preset",
@@ -46,9 +46,9 @@ FAST = [
 
 def genesis_hash() -> str:
     """θ_0's hash for the harness's model (FAST's tiny preset, seed 0), as every peer computes it."""
-    from peer.cli import build_replica
-    from peer.config import build_config
-    from peer.swarm_state import genesis_hash as of_replica
+    from swarmloco.peer.cli import build_replica
+    from swarmloco.peer.config import build_config
+    from swarmloco.peer.swarm_state import genesis_hash as of_replica
 
     return of_replica(build_replica(build_config(env={})))
 
@@ -96,7 +96,7 @@ class Swarm:
         argv = [
             sys.executable,
             "-m",
-            "scripts.cli",
+            "swarmloco.cli",
             "peer",
             *FAST,
             "--max-rounds",

@@ -15,10 +15,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from protocol.admission import Credentials
-from protocol.identity import Identity
-from protocol.records import PeerRecord
-from protocol.transport import Stream, StreamHandler, run_on
+from swarmloco.protocol.base.records import PeerRecord
+from swarmloco.protocol.network.transport import Stream, StreamHandler, run_on
+from swarmloco.protocol.trust.admission import Credentials
+from swarmloco.protocol.trust.identity import Identity
 
 T = TypeVar("T")
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from protocol.hooks import Hooks
+from swarmloco.protocol.base.hooks import Hooks
 
 logger = logging.getLogger(__name__)
 ENV = "SWARMLOCO_FAULTS"

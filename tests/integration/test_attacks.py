@@ -30,15 +30,15 @@ from _hostile_nodes import ticket as _ticket
 from hivemind.utils import get_dht_time
 from swarm_harness import Swarm, assert_no_split, genesis_hash
 
-from protocol import swarmloco_wire_pb2 as pb
-from protocol.admission import Revocations
-from protocol.certificates import Certificate, Statement
-from protocol.identity import load_or_create_identity
-from protocol.node import SwarmNode
-from protocol.records import PROTOCOL_VERSION, PeerRecord, peers_key, revocations_key
-from protocol.signed_records import seal
-from protocol.state_sync import ServedState, StateServer
-from protocol.wire import close_writer, read_frame, write_frame
+from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
+from swarmloco.protocol.base.records import PROTOCOL_VERSION, PeerRecord, peers_key, revocations_key
+from swarmloco.protocol.base.wire import close_writer, read_frame, write_frame
+from swarmloco.protocol.chain.state_sync import ServedState, StateServer
+from swarmloco.protocol.network.node import SwarmNode
+from swarmloco.protocol.trust.admission import Revocations
+from swarmloco.protocol.trust.certificates import Certificate, Statement
+from swarmloco.protocol.trust.identity import load_or_create_identity
+from swarmloco.protocol.trust.signed_records import seal
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 HONEST = ["a", "b", "c"]
@@ -214,8 +214,8 @@ def test_hostile_peers_cannot_move_the_swarm(swarm: Swarm) -> None:
 
 
 def _numel_of(swarm: Swarm) -> int:
-    from peer.cli import build_replica
-    from peer.config import build_config
+    from swarmloco.peer.cli import build_replica
+    from swarmloco.peer.config import build_config
 
     r = build_replica(build_config(env={}))
     return sum(r.global_params[n].numel() for n in r.names)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from scripts.bench_common import descendants
+from swarmloco.proc_memory import descendants
 
 ROOT = Path(__file__).resolve().parents[2]
 LN256 = math.log(256)

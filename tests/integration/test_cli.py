@@ -7,7 +7,7 @@ from pathlib import Path
 
 from conftest import ROOT, run_cli
 
-from peer.options import OPTIONS
+from swarmloco.peer.options import OPTIONS
 
 
 def test_solo_run_learns_and_writes_summary(tmp_path: Path, cli_env: dict[str, str]) -> None:

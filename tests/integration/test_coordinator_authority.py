@@ -16,14 +16,14 @@ import pytest
 import requests
 from _coordinator_helpers import ROOT, child_env, hello_body, kill, make_identities, spawn_coordinator, start_server
 
-from coordinator.authority import AuthorityConfig
-from coordinator.cli import add_coordinator_arguments, admission_policy, run_coordinator
-from coordinator.server import CoordinatorConfig, CoordinatorServer
-from coordinator.service import ServiceConfig
-from peer.ticket_client import TicketError, fetch_authority, fetch_revocations, request_ticket
-from protocol.admission import AdmissionPolicy, Revocations, Ticket
-from protocol.identity import Identity
-from protocol.reports import build_report
+from swarmloco.coordinator.authority import AuthorityConfig
+from swarmloco.coordinator.cli import add_coordinator_arguments, admission_policy, run_coordinator
+from swarmloco.coordinator.server import CoordinatorConfig, CoordinatorServer
+from swarmloco.coordinator.service import ServiceConfig
+from swarmloco.peer.ticket_client import TicketError, fetch_authority, fetch_revocations, request_ticket
+from swarmloco.protocol.trust.admission import AdmissionPolicy, Revocations, Ticket
+from swarmloco.protocol.trust.identity import Identity
+from swarmloco.protocol.trust.reports import build_report
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -155,7 +155,7 @@ def test_private_swarm_warns_at_start(tmp_path: Path) -> None:
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "coordinator", *argv], cwd=ROOT, env=child_env(),
+    return subprocess.run([sys.executable, "-m", "swarmloco.coordinator", *argv], cwd=ROOT, env=child_env(),
                           capture_output=True, text=True, timeout=60, check=False)
 
 
@@ -194,7 +194,7 @@ def test_revoke_from_another_process_while_the_server_runs(tmp_path: Path, ids: 
 def test_revocation_list_is_published_to_the_dht(tmp_path: Path, ids: list[Identity]) -> None:
     import hivemind
 
-    from protocol.records import revocations_key
+    from swarmloco.protocol.base.records import revocations_key
 
     config = CoordinatorConfig(db=tmp_path / "db.sqlite", port=0, dht=True, service=ServiceConfig(run_id="run"))
     server = CoordinatorServer(config).start(timeout=60)

@@ -17,11 +17,11 @@ from _coordinator_helpers import hello_body, make_identities, metrics_body, roun
 from _log_capture import Captured, captured_logs
 from _ticket_helpers import admit
 
-from coordinator.server import CoordinatorConfig, CoordinatorServer
-from coordinator.service import ServiceConfig
-from protocol.identity import Identity
-from protocol.reports import BODY_SCHEMAS, MAX_REPORT_BYTES, build_report
-from protocol.ticket_request import build_ticket_request
+from swarmloco.coordinator.server import CoordinatorConfig, CoordinatorServer
+from swarmloco.coordinator.service import ServiceConfig
+from swarmloco.protocol.trust.identity import Identity
+from swarmloco.protocol.trust.reports import BODY_SCHEMAS, MAX_REPORT_BYTES, build_report
+from swarmloco.protocol.trust.ticket_request import build_ticket_request
 
 pytestmark = pytest.mark.timeout(120)
 

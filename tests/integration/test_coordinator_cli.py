@@ -27,8 +27,8 @@ from _coordinator_helpers import (
 )
 from _ticket_helpers import admit_all, certificate, certified_round_body
 
-from coordinator.cli import add_coordinator_arguments, add_status_arguments, run_status
-from protocol.reports import build_report
+from swarmloco.coordinator.cli import add_coordinator_arguments, add_status_arguments, run_status
+from swarmloco.protocol.trust.reports import build_report
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -74,7 +74,7 @@ def test_process_with_dht_ready_file_and_clean_sigterm(tmp_path: Path) -> None:
 
 def test_bad_arguments_exit_2(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "coordinator", "--db", str(tmp_path / "no" / "x.sqlite"), "--no-dht"],
+        [sys.executable, "-m", "swarmloco.coordinator", "--db", str(tmp_path / "no" / "x.sqlite"), "--no-dht"],
         cwd=ROOT,
         env=child_env(),
         capture_output=True,

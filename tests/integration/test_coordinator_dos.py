@@ -22,13 +22,13 @@ import requests
 from _coordinator_helpers import ROOT, child_env, hello_body, kill, make_identities, metrics_body, spawn_coordinator
 from _log_capture import captured_logs
 
-from coordinator.authority import AuthorityConfig
-from coordinator.connections import ConnectionLimits
-from coordinator.server import CoordinatorConfig, CoordinatorServer
-from coordinator.service import ServiceConfig
-from protocol.admission import AdmissionPolicy
-from protocol.identity import Identity
-from protocol.reports import build_report
+from swarmloco.coordinator.authority import AuthorityConfig
+from swarmloco.coordinator.connections import ConnectionLimits
+from swarmloco.coordinator.server import CoordinatorConfig, CoordinatorServer
+from swarmloco.coordinator.service import ServiceConfig
+from swarmloco.protocol.trust.admission import AdmissionPolicy
+from swarmloco.protocol.trust.identity import Identity
+from swarmloco.protocol.trust.reports import build_report
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -274,7 +274,7 @@ def test_the_real_coordinator_process_applies_the_flags(tmp_path: Path, sockets:
         assert requests.get(info["url"] + "/healthz", timeout=10).status_code == 200
     finally:
         kill(proc)
-    bad = subprocess.run([sys.executable, "-m", "coordinator", "--db", str(tmp_path / "b.sqlite"), "--no-dht",
+    bad = subprocess.run([sys.executable, "-m", "swarmloco.coordinator", "--db", str(tmp_path / "b.sqlite"), "--no-dht",
                           "--port", "0", "--idle-timeout", "0"], cwd=ROOT, env=child_env(), capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "idle_timeout_s must be in [0.05, 600], got 0.0" in bad.stderr, bad.stderr[-500:]

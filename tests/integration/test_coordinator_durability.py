@@ -12,8 +12,8 @@ import pytest
 from _coordinator_helpers import kill, make_identities, round_body, spawn_coordinator
 from _ticket_helpers import admit_all, certificate, certified_round_body
 
-from peer.reporting import Reporter, ReporterConfig
-from protocol.reports import Report
+from swarmloco.peer.reporting import Reporter, ReporterConfig
+from swarmloco.protocol.trust.reports import Report
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.integration]
 

@@ -58,10 +58,10 @@ class Procs:
 
     def coordinator(self, db: Path, run_id: str, *, port: int = 0, timeout: float = 90.0,
                     ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
-        """``python -m coordinator`` without a DHT node (the swarm launcher runs its own bootstrap node)."""
+        """``python -m swarmloco.coordinator`` without a DHT node (the swarm launcher runs its own bootstrap node)."""
         ready = self.workdir / "coordinator.ready.json"
         ready.unlink(missing_ok=True)
-        proc = self.spawn([sys.executable, "-m", "coordinator", "--db", str(db), "--host", "127.0.0.1",
+        proc = self.spawn([sys.executable, "-m", "swarmloco.coordinator", "--db", str(db), "--host", "127.0.0.1",
                            "--port", str(port), "--ready-file", str(ready), "--run-id", run_id, "--no-dht",
                            "--log-level", "WARNING"], self.workdir / "coordinator.log")
         deadline = time.monotonic() + timeout
@@ -73,9 +73,9 @@ class Procs:
         return proc, json.loads(ready.read_text())
 
     def swarm(self, workdir: Path, *args: str) -> subprocess.Popen[bytes]:
-        """``swarmloco swarm`` (scripts.cli) writing per-peer logs under ``workdir``; output in ``workdir``.log."""
+        """``swarmloco swarm`` (swarmloco.cli) writing per-peer logs under ``workdir``; output in ``workdir``.log."""
         workdir.mkdir(parents=True, exist_ok=True)
-        return self.spawn([sys.executable, "-m", "scripts.cli", "swarm", "--workdir", str(workdir), *args],
+        return self.spawn([sys.executable, "-m", "swarmloco.cli", "swarm", "--workdir", str(workdir), *args],
                           workdir.with_suffix(".log"))
 
     def close(self) -> None:
@@ -184,7 +184,7 @@ def finished(proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
     try:
         rc = proc.wait(timeout)
     except subprocess.TimeoutExpired:
-        hung = [pid for pid in [proc.pid, *descendants(proc.pid)] if "scripts.cli" in _cmdline(pid)]
+        hung = [pid for pid in [proc.pid, *descendants(proc.pid)] if "swarmloco.cli" in _cmdline(pid)]
         names = [f"{pid}: {_cmdline(pid)[40:100]}" for pid in hung]
         for pid in hung:  # faulthandler (PYTHONFAULTHANDLER=1) prints all threads' stacks on SIGABRT
             os.kill(pid, signal.SIGABRT)
@@ -252,7 +252,7 @@ def test_swarm_with_its_own_coordinator(procs: Procs, tmp_path: Path) -> None:
     assert f"swarmloco_round_duration_seconds_count {reports}" in prom, prom  # one per member and round
 
     status = subprocess.run(
-        [sys.executable, "-m", "scripts.cli", "status", "--coordinator", url],
+        [sys.executable, "-m", "swarmloco.cli", "status", "--coordinator", url],
         cwd=ROOT,
         env=child_env(),
         capture_output=True,

@@ -16,7 +16,7 @@ import pytest
 from _coordinator_helpers import alive, descendants, kill, spawn_coordinator
 from conftest import ROOT, console_script, run_swarmloco
 
-from protocol.ports import port_taken
+from swarmloco.protocol.network.ports import port_taken
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 PEER_ID = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"  # well-formed; nobody listens as it

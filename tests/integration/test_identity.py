@@ -9,7 +9,7 @@ from pathlib import Path
 import base58
 import pytest
 
-from protocol.identity import (
+from swarmloco.protocol.trust.identity import (
     IdentityError,
     load_or_create_identity,
     peer_id_from_public_key,

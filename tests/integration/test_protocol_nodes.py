@@ -10,15 +10,16 @@ from typing import Any
 import pytest
 from hivemind.utils import get_dht_time
 
-from protocol.admission import Credentials, Gate, Ticket
-from protocol.averager import Averager
-from protocol.certificates import Head
-from protocol.identity import Identity, load_or_create_identity
-from protocol.matchmaking import Group
-from protocol.node import NetworkConfig, SwarmNode
-from protocol.records import PeerRecord, peers_key
-from protocol.rounds import LocalModel, RoundConfig, leader_rank
-from protocol.signed_records import seal
+from swarmloco.protocol.base.records import PeerRecord, peers_key
+from swarmloco.protocol.network.node import NetworkConfig, SwarmNode
+from swarmloco.protocol.round.averager import Averager
+from swarmloco.protocol.round.config import LocalModel, RoundConfig
+from swarmloco.protocol.round.matchmaking import Group
+from swarmloco.protocol.round.rules import leader_rank
+from swarmloco.protocol.trust.admission import Credentials, Gate, Ticket
+from swarmloco.protocol.trust.certificates import Head
+from swarmloco.protocol.trust.identity import Identity, load_or_create_identity
+from swarmloco.protocol.trust.signed_records import seal
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 H1 = "1" * 64

@@ -21,12 +21,12 @@ import pytest
 from _hostile_nodes import ask_state, node, ticket
 from swarm_harness import Swarm, assert_no_split
 
-from peer.cli import build_replica
-from peer.config import build_config
-from peer.swarm_state import layout_of
-from protocol.node import SwarmNode
-from protocol.records import PeerRecord
-from protocol.state_sync import FetchConfig, StateSyncError, download_state
+from swarmloco.peer.cli import build_replica
+from swarmloco.peer.config import build_config
+from swarmloco.peer.swarm_state import layout_of
+from swarmloco.protocol.base.records import PeerRecord
+from swarmloco.protocol.chain.state_sync import FetchConfig, StateSyncError, download_state
+from swarmloco.protocol.network.node import SwarmNode
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 HONEST = ["a", "b", "c"]

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from protocol.data_plane import DataPlane
-from protocol.hashing import LEAF_BYTES, pack_state, state_hash, state_layout
-from protocol.hooks import Hooks
-from protocol.node import SwarmNode
-from protocol.state_sync import FetchConfig, ServedState, StateServer, StateSyncError, download_state
+from swarmloco.protocol.base.hashing import LEAF_BYTES, pack_state, state_hash, state_layout
+from swarmloco.protocol.base.hooks import Hooks
+from swarmloco.protocol.chain.state_sync import FetchConfig, ServedState, StateServer, StateSyncError, download_state
+from swarmloco.protocol.network.data_plane import DataPlane
+from swarmloco.protocol.network.node import SwarmNode
 from tests.integration.test_protocol_nodes import _node
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

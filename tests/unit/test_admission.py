@@ -6,9 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from protocol.admission import AdmissionError, AdmissionPolicy, Gate, Revocations, Ticket, load_allowlist
-from protocol.certificates import Certificate, Statement, need, supports
-from protocol.identity import Identity
+from swarmloco.protocol.trust.admission import (
+    AdmissionError,
+    AdmissionPolicy,
+    Gate,
+    Revocations,
+    Ticket,
+    load_allowlist,
+)
+from swarmloco.protocol.trust.certificates import Certificate, Statement, need, supports
+from swarmloco.protocol.trust.identity import Identity
 
 RUN = "run-1"
 
@@ -150,7 +157,7 @@ def test_statement_bounds_and_the_majority_rules() -> None:
 
 
 def test_a_member_signs_only_a_statement_that_extends_its_state_with_plausible_weights() -> None:
-    from protocol.certificates import Head, refusal_to_sign
+    from swarmloco.protocol.trust.certificates import Head, refusal_to_sign
 
     leader, me, other = (_identity().peer_id for _ in range(3))
     group = [leader, me, other]
@@ -177,7 +184,7 @@ def test_a_member_signs_only_a_statement_that_extends_its_state_with_plausible_w
 def test_the_leader_order_seed_needs_the_members_signatures() -> None:
     """The next round's leader order is drawn from the certified hash and the members' signatures: a leader that
     tries averages offline cannot compute it, and junk it adds to the certificate does not change it."""
-    from protocol.certificates import Head
+    from swarmloco.protocol.trust.certificates import Head
 
     members = [_identity() for _ in range(3)]
     cert = _certificate(members, members, swarm=3)

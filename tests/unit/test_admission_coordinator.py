@@ -11,12 +11,12 @@ import pytest
 from _coordinator_helpers import hello_body, make_identities, metrics_body
 from _ticket_helpers import ServiceEnv
 
-from coordinator.authority import AuthorityConfig
-from coordinator.limits import RateLimiter
-from coordinator.store import SQLiteStore
-from protocol.admission import AdmissionPolicy, Revocations, Ticket
-from protocol.identity import Identity
-from protocol.ticket_request import build_ticket_request
+from swarmloco.coordinator.authority import AuthorityConfig
+from swarmloco.coordinator.limits import RateLimiter
+from swarmloco.coordinator.store import SQLiteStore
+from swarmloco.protocol.trust.admission import AdmissionPolicy, Revocations, Ticket
+from swarmloco.protocol.trust.identity import Identity
+from swarmloco.protocol.trust.ticket_request import build_ticket_request
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from _fake_dns import FakeDNS
 
-from peer.bootstrap import (
+from swarmloco.peer.bootstrap import (
     BootstrapError,
     bootstrap_maddrs,
     nameserver,
@@ -24,8 +24,8 @@ from peer.bootstrap import (
     resolve,
     wait_for_dht_peer,
 )
-from peer.config import BootstrapConfig, ConfigError, PeerConfig, RunConfig
-from protocol.node import NetworkConfig
+from swarmloco.peer.config import BootstrapConfig, ConfigError, PeerConfig, RunConfig
+from swarmloco.protocol.network.node import NetworkConfig
 
 PEER_ID = "12D3KooWGjEaPBd3sRZdsyrNpvWDRFHdR3QX4cRAdWyTspxw87Yb"
 pytestmark = pytest.mark.timeout(60)

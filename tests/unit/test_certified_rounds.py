@@ -21,14 +21,15 @@ from _fake_rounds import (
     serve_state,
 )
 
-from protocol.admission import Gate, Ticket
-from protocol.averager import Averager
-from protocol.certificates import Certificate, Head, Statement
-from protocol.identity import Identity
-from protocol.matchmaking import Group, RoundAborted
-from protocol.rounds import Behind, Outcome
-from protocol.state_sync import ServedState, state_handler
-from protocol.testing.fake import FakeNetwork, FakeTransport
+from swarmloco.protocol.base.outcome import Outcome
+from swarmloco.protocol.chain.forks import Behind
+from swarmloco.protocol.chain.state_sync import ServedState, state_handler
+from swarmloco.protocol.round.averager import Averager
+from swarmloco.protocol.round.matchmaking import Group, RoundAborted
+from swarmloco.protocol.testing.fake import FakeNetwork, FakeTransport
+from swarmloco.protocol.trust.admission import Gate, Ticket
+from swarmloco.protocol.trust.certificates import Certificate, Head, Statement
+from swarmloco.protocol.trust.identity import Identity
 
 pytestmark = pytest.mark.timeout(60)
 AUTHORITY = Identity(path=Path("<memory>"), private_key=Identity.generate())
@@ -219,8 +220,8 @@ def test_a_leader_that_holds_its_members_is_skipped_in_the_next_rounds(net: Fake
     held: list[str] = []
 
     async def hold(caller: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        from protocol import swarmloco_wire_pb2 as pb
-        from protocol.wire import read_frame, write_frame
+        from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
+        from swarmloco.protocol.base.wire import read_frame, write_frame
 
         await read_frame(reader, pb.JoinRequest, max_payload=0, timeout=1)
         held.append(caller)

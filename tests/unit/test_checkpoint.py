@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer import checkpoint
-from peer.cli import build_replica
-from peer.config import PeerConfig, RunConfig, RuntimeConfig, TrainConfig
-from peer.outer import OuterConfig
-from peer.solo import run_solo
+from swarmloco.peer import checkpoint
+from swarmloco.peer.cli import build_replica
+from swarmloco.peer.config import PeerConfig, RunConfig, RuntimeConfig, TrainConfig
+from swarmloco.peer.outer import OuterConfig
+from swarmloco.peer.solo import run_solo
 
 
 def _cfg(workdir: Path, max_steps: int, resume: bool = False) -> PeerConfig:

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.cli import public_join
-from peer import cli_args
-from peer.config import option_spec
-from peer.options import OPTIONS
-from protocol.ports import port_taken, tcp_listen_addresses
-from scripts.cli import build_parser, parse
+from swarmloco.cli import build_parser, parse
+from swarmloco.coordinator.cli import public_join
+from swarmloco.peer import cli_args
+from swarmloco.peer.config import option_spec
+from swarmloco.peer.options import OPTIONS
+from swarmloco.protocol.network.ports import port_taken, tcp_listen_addresses
 
 ID = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
 INFO = {"url": "http://127.0.0.1:8000", "port": 8000, "run_id": "r",

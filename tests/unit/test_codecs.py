@@ -6,8 +6,8 @@ import struct
 import pytest
 import torch
 
-from protocol import codecs
-from protocol.codecs import BLOCK, CODECS, CodecError, get_codec
+from swarmloco.protocol.base import codecs
+from swarmloco.protocol.base.codecs import BLOCK, CODECS, CodecError, get_codec
 
 
 @pytest.mark.parametrize("name", list(CODECS))

@@ -20,10 +20,10 @@ import pytest
 import yaml
 from _fake_dns import FakeDNS
 
-from peer import bootstrap
-from peer.config import PeerConfig, build_config
-from peer.options import OPTIONS, OTHER_ENV
-from scripts.cli import build_parser
+from swarmloco.cli import build_parser
+from swarmloco.peer import bootstrap
+from swarmloco.peer.config import PeerConfig, build_config
+from swarmloco.peer.options import OPTIONS, OTHER_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -333,10 +333,9 @@ def test_dockerfile_copies_every_package_the_project_ships() -> None:
     if "." in copied:
         return
     assert {"pyproject.toml", project["project"]["readme"]} <= copied
-    for pattern in project["tool"]["setuptools"]["packages"]["find"]["include"]:
-        package = pattern.rstrip("*")
-        assert (ROOT / package / "__init__.py").exists(), package
-        assert package in copied, f"Dockerfile does not COPY {package}/"
+    for folder in set(project["tool"]["setuptools"]["package-dir"].values()):
+        assert (ROOT / folder / "__init__.py").exists(), folder
+        assert folder in copied, f"Dockerfile does not COPY {folder}/"
 
 
 def test_dockerignore_keeps_what_the_build_needs() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from peer.config import (
+from swarmloco.peer.config import (
     SECTIONS,
     BudgetConfig,
     ConfigError,
@@ -18,8 +18,8 @@ from peer.config import (
     build_config,
     check_env,
 )
-from peer.options import OPTIONS, OTHER_ENV
-from protocol.rounds import RoundConfig
+from swarmloco.peer.options import OPTIONS, OTHER_ENV
+from swarmloco.protocol.round.config import RoundConfig
 
 
 def _parse(*argv: str) -> argparse.Namespace:

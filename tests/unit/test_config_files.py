@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from peer.config import ConfigError, build_config
+from swarmloco.peer.config import ConfigError, build_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,9 +16,9 @@ import requests
 from _coordinator_helpers import hello_body, make_identities, metrics_body, round_body, start_server
 from _ticket_helpers import admit_all, certificate, certified_round_body
 
-from coordinator.server import CoordinatorServer
-from protocol.identity import Identity
-from protocol.reports import build_report, canonical_bytes
+from swarmloco.coordinator.server import CoordinatorServer
+from swarmloco.protocol.trust.identity import Identity
+from swarmloco.protocol.trust.reports import build_report, canonical_bytes
 
 pytestmark = pytest.mark.timeout(60)
 

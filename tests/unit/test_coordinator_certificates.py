@@ -15,10 +15,10 @@ import pytest
 from _coordinator_helpers import make_identities, metrics_body, round_body
 from _ticket_helpers import ServiceEnv, certificate, certified_round_body
 
-from coordinator.authority import AuthorityConfig
-from protocol.admission import AdmissionPolicy, Ticket
-from protocol.certificates import Certificate
-from protocol.identity import Identity
+from swarmloco.coordinator.authority import AuthorityConfig
+from swarmloco.protocol.trust.admission import AdmissionPolicy, Ticket
+from swarmloco.protocol.trust.certificates import Certificate
+from swarmloco.protocol.trust.identity import Identity
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -205,7 +205,7 @@ def test_private_swarm_bounds_the_number_of_runs(tmp_path: Path, ids: list[Ident
 
 
 def test_service_config_validates_bounds() -> None:
-    from coordinator.service import ServiceConfig
+    from swarmloco.coordinator.service import ServiceConfig
 
     for bad in ({"keep_reports_per_peer": 1}, {"peer_rate_per_s": 0}, {"max_runs": 0}):
         with pytest.raises(ValueError):

@@ -12,9 +12,9 @@ import pytest
 from _coordinator_helpers import make_identities, round_body, start_server
 from _ticket_helpers import admit, certificate
 
-from peer.reporting import Reporter, ReporterConfig
-from protocol.identity import Identity
-from protocol.reports import Report
+from swarmloco.peer.reporting import Reporter, ReporterConfig
+from swarmloco.protocol.trust.identity import Identity
+from swarmloco.protocol.trust.reports import Report
 
 pytestmark = pytest.mark.timeout(60)
 

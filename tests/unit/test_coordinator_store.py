@@ -10,10 +10,10 @@ import pytest
 from _coordinator_helpers import hello_body, make_identities, metrics_body, round_body
 from _ticket_helpers import certificate, certified_round_body
 
-from coordinator.migrations import MIGRATIONS
-from coordinator.store import SQLiteStore, StoreError
-from protocol.certificates import Certificate
-from protocol.reports import Report, build_report, content_hash
+from swarmloco.coordinator.migrations import MIGRATIONS
+from swarmloco.coordinator.store import SQLiteStore, StoreError
+from swarmloco.protocol.trust.certificates import Certificate
+from swarmloco.protocol.trust.reports import Report, build_report, content_hash
 
 pytestmark = pytest.mark.timeout(30)
 

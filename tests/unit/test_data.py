@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from peer.data import ShardSpec, list_source_files, sample_batch, split_files
+from swarmloco.peer.data import ShardSpec, list_source_files, sample_batch, split_files
 
 
 def test_shards_are_disjoint_deterministic_and_cover_the_corpus() -> None:

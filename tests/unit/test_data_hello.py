@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from _loops import run_loop as _run
 
-from protocol import swarmloco_wire_pb2 as pb
-from protocol.data_hello import HandshakeLimits, hello_body, hello_problem, signed_hello
-from protocol.data_plane import DataConn, DataPlane, connect
-from protocol.identity import Identity
-from protocol.wire import frame_prefix
+from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
+from swarmloco.protocol.base.wire import frame_prefix
+from swarmloco.protocol.network.data_hello import HandshakeLimits, hello_body, hello_problem, signed_hello
+from swarmloco.protocol.network.data_plane import DataConn, DataPlane, connect
+from swarmloco.protocol.trust.identity import Identity
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from _loops import run_loop as _run
 
-from protocol import swarmloco_wire_pb2 as pb
-from protocol.data_hello import HandshakeLimits
-from protocol.data_plane import DataPlane, connect
-from protocol.identity import Identity
+from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
+from swarmloco.protocol.network.data_hello import HandshakeLimits
+from swarmloco.protocol.network.data_plane import DataPlane, connect
+from swarmloco.protocol.trust.identity import Identity
 
 pytestmark = pytest.mark.timeout(90)
 

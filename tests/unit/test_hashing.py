@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from protocol.hashing import (
+from swarmloco.protocol.base.hashing import (
     LEAF_BYTES,
     blob_hash,
     hash_tensors,

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import torch
 
-from peer.config import RuntimeConfig, TrainConfig
-from peer.model import GPT, GPTConfig
-from peer.outer import OuterConfig, outer_step
-from peer.replica import Replica
-from peer.task import Task, lm_loss
+from swarmloco.peer.config import RuntimeConfig, TrainConfig
+from swarmloco.peer.model import GPT, GPTConfig
+from swarmloco.peer.outer import OuterConfig, outer_step
+from swarmloco.peer.replica import Replica
+from swarmloco.peer.task import Task, lm_loss
 
 
 def test_zero_delta_leaves_params_unchanged() -> None:

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from peer.ticket_cli import add_ticket_arguments, run_ticket
-from peer.tickets import Admission, AdmissionConfig, AdmissionSetupError
-from protocol.admission import Ticket
-from protocol.identity import load_or_create_identity
+from swarmloco.peer.ticket_cli import add_ticket_arguments, run_ticket
+from swarmloco.peer.tickets import Admission, AdmissionConfig, AdmissionSetupError
+from swarmloco.protocol.trust.admission import Ticket
+from swarmloco.protocol.trust.identity import load_or_create_identity
 
 
 def _ticket_args(*argv: str) -> argparse.Namespace:

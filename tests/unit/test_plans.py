@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from protocol.plans import (
+from swarmloco.protocol.round.plans import (
     BANDWIDTH_CLAMP,
     SHARD_ALIGN,
     Endpoint,

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from peer.config import PeerConfig, RunConfig
-from peer.preflight import set_aside_checkpoint
-from peer.progress import Progress
-from peer.reporting import Reporter, ReporterConfig
-from peer.swarm_report import SwarmReports
-from protocol.identity import load_or_create_identity
-from scripts.swarm import Swarm
+from swarmloco.peer.config import PeerConfig, RunConfig
+from swarmloco.peer.preflight import set_aside_checkpoint
+from swarmloco.peer.progress import Progress
+from swarmloco.peer.reporting import Reporter, ReporterConfig
+from swarmloco.peer.swarm_report import SwarmReports
+from swarmloco.protocol.trust.identity import load_or_create_identity
+from swarmloco.swarm import Swarm
 
 ID = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
 
@@ -25,7 +25,7 @@ def test_unreachable_coordinator_is_said_at_the_first_failure(tmp_path: Path,
                                                               caplog: pytest.LogCaptureFixture) -> None:
     reporter = Reporter("http://127.0.0.1:9", load_or_create_identity(tmp_path / "id.key"), "run",
                         config=ReporterConfig(backoff_initial_s=0.01, backoff_max_s=0.02, heartbeat_interval_s=0))
-    with caplog.at_level(logging.WARNING, logger="peer.reporting"):
+    with caplog.at_level(logging.WARNING, logger="swarmloco.peer.reporting"):
         reporter.start()
         reporter.heartbeat(round=1)
         deadline = time.monotonic() + 10
@@ -85,7 +85,7 @@ def test_launcher_progress_line_names_every_live_peers_steps(tmp_path: Path) -> 
         def poll(self) -> None:
             return None
 
-    from scripts.swarm_procs import PeerProc
+    from swarmloco.swarm_procs import PeerProc
 
     swarm.peers = [PeerProc(i, tmp_path / f"peer-{i}", [], proc=Alive()) for i in range(2)]  # type: ignore[arg-type]
     swarm.peers[0].last_step = {"event": "step", "step": 12}
@@ -98,10 +98,10 @@ def test_solo_run_stops_on_the_flag_its_signal_handler_sets(tmp_path: Path) -> N
     """A StopFlag is falsy until set: `stop or StopFlag()` used to train on a fresh flag, deaf to Ctrl+C."""
     import threading
 
-    from peer.cli import build_replica
-    from peer.config import TrainConfig
-    from peer.signals import StopFlag
-    from peer.solo import run_solo
+    from swarmloco.peer.cli import build_replica
+    from swarmloco.peer.config import TrainConfig
+    from swarmloco.peer.signals import StopFlag
+    from swarmloco.peer.solo import run_solo
 
     cfg = PeerConfig(run=RunConfig(solo=True, workdir=str(tmp_path), max_steps=100_000, checkpoint_every=0),
                      train=TrainConfig(batch_size=2, inner_steps=5))

@@ -11,13 +11,20 @@ from typing import Any
 import pytest
 from _coordinator_helpers import hello_body, make_identities, metrics_body, round_body
 
-import coordinator.authority
-import coordinator.service
-from coordinator.service import CoordinatorService, ServiceConfig
-from coordinator.store import SQLiteStore
-from protocol.identity import Identity
-from protocol.reports import BODY_SCHEMAS, ReportError, build_report, canonical_bytes, parse_report, validate_body
-from protocol.ticket_request import TicketRequestError, build_ticket_request, parse_ticket_request
+import swarmloco.coordinator.authority
+import swarmloco.coordinator.service
+from swarmloco.coordinator.service import CoordinatorService, ServiceConfig
+from swarmloco.coordinator.store import SQLiteStore
+from swarmloco.protocol.trust.identity import Identity
+from swarmloco.protocol.trust.reports import (
+    BODY_SCHEMAS,
+    ReportError,
+    build_report,
+    canonical_bytes,
+    parse_report,
+    validate_body,
+)
+from swarmloco.protocol.trust.ticket_request import TicketRequestError, build_ticket_request, parse_ticket_request
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -112,8 +119,8 @@ def test_a_gap_in_a_parser_is_still_a_400_with_one_line(tmp_path: Path, monkeypa
     def choke(*_: Any, **__: Any) -> Any:
         raise error
 
-    monkeypatch.setattr(coordinator.service, "parse_report", choke)
-    monkeypatch.setattr(coordinator.authority, "parse_ticket_request", choke)
+    monkeypatch.setattr(swarmloco.coordinator.service, "parse_report", choke)
+    monkeypatch.setattr(swarmloco.coordinator.authority, "parse_ticket_request", choke)
     for answer in (service.ingest(b"{}", client="10.0.0.1"), service.request_ticket(b"{}", client="10.0.0.1")):
         assert answer.status == 400 and type(error).__name__ in answer.body["error"], answer
     assert [r.exc_info for r in caplog.records] == [None, None]  # one line each, no traceback

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from _coordinator_helpers import hello_body, make_identities, metrics_body, round_body
 
-from protocol.identity import Identity, peer_id_from_public_key
-from protocol.reports import (
+from swarmloco.protocol.trust.identity import Identity, peer_id_from_public_key
+from swarmloco.protocol.trust.reports import (
     MAX_CERTIFICATE_CHARS,
     MAX_MEMBERS,
     MAX_REPORT_BYTES,

@@ -11,11 +11,11 @@ import pytest
 import torch
 from _fake_rounds import NUMEL, by_rank, peers, round_from_heads, whole_round
 
-from protocol import swarmloco_wire_pb2 as pb
-from protocol.pipes import Pipe
-from protocol.rounds import Outcome
-from protocol.testing.fake import FakeNetwork
-from protocol.testing.faults import FaultInjector
+from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
+from swarmloco.protocol.base.outcome import Outcome
+from swarmloco.protocol.round.pipes import Pipe
+from swarmloco.protocol.testing.fake import FakeNetwork
+from swarmloco.protocol.testing.faults import FaultInjector
 
 pytestmark = pytest.mark.timeout(60)
 HONEST_MEAN = (1 + 2 + 3) / 3  # members 0..2 send Δ = i + 1 everywhere, with equal tokens

@@ -25,13 +25,14 @@ from _fake_rounds import (
     whole_round,
 )
 
-from protocol import swarmloco_wire_pb2 as pb
-from protocol.admission import Gate
-from protocol.hooks import Hooks
-from protocol.matchmaking import Group, Matchmaker
-from protocol.rounds import Outcome, RoundConfig
-from protocol.testing.fake import FakeNetwork
-from protocol.wire import WireError, read_frame, write_frame
+from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
+from swarmloco.protocol.base.hooks import Hooks
+from swarmloco.protocol.base.outcome import Outcome
+from swarmloco.protocol.base.wire import WireError, read_frame, write_frame
+from swarmloco.protocol.round.config import RoundConfig
+from swarmloco.protocol.round.matchmaking import Group, Matchmaker
+from swarmloco.protocol.testing.fake import FakeNetwork
+from swarmloco.protocol.trust.admission import Gate
 
 pytestmark = pytest.mark.timeout(60)
 

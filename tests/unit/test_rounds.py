@@ -5,23 +5,18 @@ import pytest
 import torch
 from _records import H1, H2, rec
 
-from protocol import swarmloco_wire_pb2 as pb
-from protocol.groups import admit
-from protocol.records import PROTOCOL_VERSION
-from protocol.rounds import (
-    MAX_TOKENS,
-    Deadlines,
-    LocalModel,
-    RoundConfig,
+from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
+from swarmloco.protocol.base.records import PROTOCOL_VERSION
+from swarmloco.protocol.chain.forks import active_past_genesis, better_claims, outranks
+from swarmloco.protocol.round.config import MAX_TOKENS, Deadlines, LocalModel, RoundConfig
+from swarmloco.protocol.round.groups import admit
+from swarmloco.protocol.round.rules import (
     active_count,
-    active_past_genesis,
-    better_claims,
     check_contribution,
     compatible,
     grace_over,
     group_forming,
     leader_rank,
-    outranks,
     pick_leader,
     token_weights,
     weighted_average,

@@ -10,11 +10,12 @@ import pytest
 import torch
 from _fake_rounds import NUMEL, by_rank, peers, round_from_heads, whole_round
 
-from protocol.codecs import Codec, get_codec
-from protocol.hooks import Hooks
-from protocol.plans import shard_bounds
-from protocol.rounds import LocalModel, Outcome
-from protocol.testing.fake import FakeNetwork
+from swarmloco.protocol.base.codecs import Codec, get_codec
+from swarmloco.protocol.base.hooks import Hooks
+from swarmloco.protocol.base.outcome import Outcome
+from swarmloco.protocol.round.config import LocalModel
+from swarmloco.protocol.round.plans import shard_bounds
+from swarmloco.protocol.testing.fake import FakeNetwork
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,10 +8,17 @@ import pytest
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from protocol.admission import Gate, Revocations, Ticket
-from protocol.identity import Identity
-from protocol.records import PeerRecord, peers_key, revocations_key
-from protocol.signed_records import MAX_RECORD_TTL_S, RecordError, RunValidator, key_id, open_record, seal
+from swarmloco.protocol.base.records import PeerRecord, peers_key, revocations_key
+from swarmloco.protocol.trust.admission import Gate, Revocations, Ticket
+from swarmloco.protocol.trust.identity import Identity
+from swarmloco.protocol.trust.signed_records import (
+    MAX_RECORD_TTL_S,
+    RecordError,
+    RunValidator,
+    key_id,
+    open_record,
+    seal,
+)
 
 RUN = "run-1"
 AUTHORITY = Identity(path=Path("<memory>"), private_key=Identity.generate())

@@ -15,13 +15,20 @@ import time
 import pytest
 import torch
 
-from protocol import swarmloco_wire_pb2 as pb
-from protocol.admission import Gate
-from protocol.data_plane import DataPlane, connect
-from protocol.hashing import LEAF_BYTES, hash_tensors, state_layout
-from protocol.state_sync import FetchConfig, ServedState, ServeLimits, StateServer, download_state, state_handler
-from protocol.testing.fake import FakeNetwork, FakeTransport
-from protocol.wire import close_writer, read_frame, write_frame
+from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
+from swarmloco.protocol.base.hashing import LEAF_BYTES, hash_tensors, state_layout
+from swarmloco.protocol.base.wire import close_writer, read_frame, write_frame
+from swarmloco.protocol.chain.state_sync import (
+    FetchConfig,
+    ServedState,
+    ServeLimits,
+    StateServer,
+    download_state,
+    state_handler,
+)
+from swarmloco.protocol.network.data_plane import DataPlane, connect
+from swarmloco.protocol.testing.fake import FakeNetwork, FakeTransport
+from swarmloco.protocol.trust.admission import Gate
 
 pytestmark = pytest.mark.timeout(120)
 SHAPES = {"w": torch.Size([3 * LEAF_BYTES // 4 // 2 + 1000])}  # θ and m: 4 chunks, ~12 MiB

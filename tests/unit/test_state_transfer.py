@@ -11,11 +11,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from protocol import swarmloco_wire_pb2 as pb
-from protocol.data_plane import DataPlane, connect
-from protocol.hashing import LEAF_BYTES, StateLayout, hash_tensors, state_layout
-from protocol.hooks import Hooks
-from protocol.state_sync import (
+from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
+from swarmloco.protocol.base.hashing import LEAF_BYTES, StateLayout, hash_tensors, state_layout
+from swarmloco.protocol.base.hooks import Hooks
+from swarmloco.protocol.base.wire import close_writer, read_frame, write_frame
+from swarmloco.protocol.chain.state_sync import (
     FetchConfig,
     ServedState,
     ServeLimits,
@@ -25,8 +25,8 @@ from protocol.state_sync import (
     fetch_certificate,
     state_handler,
 )
-from protocol.testing.fake import FakeNetwork, FakeTransport
-from protocol.wire import close_writer, read_frame, write_frame
+from swarmloco.protocol.network.data_plane import DataPlane, connect
+from swarmloco.protocol.testing.fake import FakeNetwork, FakeTransport
 
 pytestmark = pytest.mark.timeout(60)
 SHAPES = {"w": torch.Size([3 * LEAF_BYTES // 4 // 2 + 1000]), "b": torch.Size([77])}  # 3 leaves and a bit
@@ -92,7 +92,7 @@ def _donor(net: FakeNetwork, *, hooks: Hooks | None = None, tcp: bool = True, le
 
 
 def _gate(t: FakeTransport):  # type: ignore[no-untyped-def]
-    from protocol.admission import Gate
+    from swarmloco.protocol.trust.admission import Gate
 
     return Gate(t.run_id, None)
 

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from _coordinator_helpers import make_identities
 
-from protocol.identity import Identity
-from protocol.ticket_request import (
+from swarmloco.protocol.trust.identity import Identity
+from swarmloco.protocol.trust.ticket_request import (
     MAX_INVITE_CHARS,
     MAX_REQUEST_BYTES,
     TicketRequest,

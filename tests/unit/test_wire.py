@@ -7,10 +7,10 @@ import struct
 import pytest
 from _records import rec
 
-from protocol import swarmloco_wire_pb2 as pb
-from protocol.records import PROTOCOL_VERSION, PeerRecord
-from protocol.rounds import compatibility_problem
-from protocol.wire import WireError, read_frame
+from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
+from swarmloco.protocol.base.records import PROTOCOL_VERSION, PeerRecord
+from swarmloco.protocol.base.wire import WireError, read_frame
+from swarmloco.protocol.round.rules import compatibility_problem
 
 
 @pytest.mark.parametrize(
@@ -77,8 +77,8 @@ def test_frames_over_the_caps_are_refused_before_allocation() -> None:
 def test_data_plane_accepts_only_offered_tokens_once() -> None:
     from pathlib import Path
 
-    from protocol.data_plane import DataPlane, connect, hosts_from_maddrs
-    from protocol.identity import Identity
+    from swarmloco.protocol.network.data_plane import DataPlane, connect, hosts_from_maddrs
+    from swarmloco.protocol.trust.identity import Identity
 
     me = Identity(path=Path("<memory>"), private_key=Identity.generate())
 

@@ -11,9 +11,9 @@ import time
 import pytest
 from _loops import run_loop as _run
 
-from protocol import swarmloco_wire_pb2 as pb
-from protocol.data_plane import DataConn
-from protocol.wire import WireError, frame_prefix, read_frame
+from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
+from swarmloco.protocol.base.wire import WireError, frame_prefix, read_frame
+from swarmloco.protocol.network.data_plane import DataConn
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,0 +1,1 @@
+"""Chain and state: the certified head, fork choice between verified states, serving and pulling state."""

@@ -1,0 +1,155 @@
+"""This peer's view of the certified chain: the state it holds, and its verdicts on the states others claim.
+
+A record that names a state is only a claim. Before a peer re-syncs to a claimed state, it fetches the state's
+commit certificate from a claimant and verifies it offline (signatures, tickets, majority), and checks that the
+certificate still speaks for the swarm it sees now (`swarmloco.protocol.trust.certificates.supports`). The fork choice
+between verified states is `swarmloco.protocol.round.rules.outranks` (most certified work), the same on every peer, so
+two chains that grew apart during a partition become one again once the peers see each other.
+
+Verified certificates are cached per (round, hash), and a claimant that failed to back its claim is not asked again
+for a while, so a peer that claims a thousand states costs one refused lookup per minute, never a download.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+
+from swarmloco.protocol.base.records import PeerRecord
+from swarmloco.protocol.chain.forks import Behind, StateClaim, active_past_genesis, better_claims, outranks
+from swarmloco.protocol.chain.state_sync import StateSyncError, fetch_certificate
+from swarmloco.protocol.network.transport import Transport
+from swarmloco.protocol.trust.admission import Credentials, Gate
+from swarmloco.protocol.trust.certificates import Certificate, Head, supports
+
+logger = logging.getLogger(__name__)
+MAX_VERDICTS = 512
+MAX_CLAIMS_CHECKED = 3  # per look: the best few claims (each costs at most one small request per claimant tried)
+MAX_CLAIMANTS_ASKED = 2
+DISTRUST_S = 60.0  # a claimant that served an invalid certificate is not asked again for this long
+UNREACHABLE_S = 30.0  # nor one that did not answer in time (a hanging claimant stalls every look it is asked in)
+
+
+class Chain:
+    def __init__(self, transport: Transport, *, gate: Gate, credentials: Credentials, fingerprint: str, quorum: int,
+                 genesis_hash: str, control_timeout: float) -> None:
+        self.transport, self.gate, self.credentials = transport, gate, credentials
+        self.fingerprint, self.quorum, self.control_timeout = fingerprint, quorum, control_timeout
+        self.genesis_hash = genesis_hash
+        self.head = Head(0, genesis_hash)
+        self._verdicts: OrderedDict[tuple[int, str], Certificate] = OrderedDict()
+        self._distrust: dict[str, float] = {}  # peer -> until when we do not ask it for certificates
+        self._liars: dict[str, float] = {}  # peer -> until when it is not counted: it could not back its claim
+
+    def set_head(self, head: Head) -> None:
+        self.head = head
+        if head.certificate is not None:
+            self._remember((head.round, head.state_hash), head.certificate)
+
+    def verify(self, certificate: Certificate) -> str:
+        """Why `certificate` proves nothing ("" when it is valid)."""
+        return certificate.problem(run_id=self.transport.run_id, gate=self.gate, quorum=self.quorum)
+
+    def credible(self, records: Mapping[str, PeerRecord]) -> dict[str, PeerRecord]:
+        """The records that count toward the swarm a group must be a majority of: not those of peers that just
+        failed to back a claim, nor any claim ahead of our state whose certificate we have not verified. Else a few
+        admitted peers claiming far-ahead rounds — refusing, or simply never answering, certificate requests —
+        would raise the majority out of the honest peers' reach. A peer truly ahead is verified on the next look
+        (and then we re-sync to it rather than form a group without it)."""
+        h = self.head
+        ours = (h.work, h.round, h.state_hash)
+        return {p: r for p, r in self._not_liars(records).items()
+                if (r.round, r.state_hash) in self._verdicts or not outranks((r.work, r.round, r.state_hash), ours)}
+
+    def _not_liars(self, records: Mapping[str, PeerRecord]) -> dict[str, PeerRecord]:
+        now = time.monotonic()
+        return {p: r for p, r in records.items() if self._liars.get(p, 0.0) <= now}
+
+    async def target(self, records: Mapping[str, PeerRecord]) -> Behind | None:
+        """The best verified state that outranks ours, fetching certificates of the best few claims if needed; None
+        when nothing could be verified within a few control timeouts (claimants that do not answer are skipped)."""
+        try:
+            return await asyncio.wait_for(self._target(records), 3 * self.control_timeout)
+        except TimeoutError:
+            return None
+
+    async def _target(self, records: Mapping[str, PeerRecord]) -> Behind | None:
+        for claim in self._claims(records)[:MAX_CLAIMS_CHECKED]:
+            verdict = self._verdicts.get((claim.round, claim.state_hash))
+            if verdict is None:
+                verdict, donor = await self._fetch_verdict(claim)
+                if verdict is not None and (verdict.statement.round, verdict.statement.new_hash) != (
+                        claim.round, claim.state_hash):
+                    # The claimant moved on since its record was read: its newer certified state is as good.
+                    s = verdict.statement
+                    claim = StateClaim(round=s.round, state_hash=s.new_hash, work=s.work, donors=(donor,))
+            behind = self._accept(claim, verdict, records)
+            if behind is not None:
+                return behind
+        return None
+
+    # --- internals ------------------------------------------------------------------------------------------------
+    def _claims(self, records: Mapping[str, PeerRecord]) -> list[StateClaim]:
+        h = self.head
+        return better_claims(records, round_number=h.round, state_hash=h.state_hash, work=h.work,
+                             genesis_hash=self.genesis_hash)
+
+    def _accept(self, claim: StateClaim, verdict: Certificate | None,
+                records: Mapping[str, PeerRecord]) -> Behind | None:
+        if not isinstance(verdict, Certificate) or verdict.statement.work != claim.work:
+            return None
+        # Here unverified claims do count: the fewer peers a certificate must speak for, the easier a colluding
+        # minority's own chain would be adopted.
+        active = active_past_genesis(self._not_liars(records))
+        if not supports(verdict.statement, active):
+            logger.info("round %d %s…: its certificate speaks for %d peers, we see %d past genesis; not adopting",
+                        claim.round, claim.state_hash[:12], verdict.statement.swarm, active)
+            return None
+        donors = [p for p in claim.donors if p != self.transport.peer_id]
+        if not donors:
+            return None
+        return Behind(round=claim.round, state_hash=claim.state_hash, donors=donors, work=claim.work,
+                      certificate=verdict)
+
+    async def _fetch_verdict(self, claim: StateClaim) -> tuple[Certificate | None, str]:
+        """A valid certificate for the claim, or for a newer state of the same claimant that still outranks ours,
+        with the claimant that served it; (None, "") when nobody asked could back it. A claimant that serves an
+        invalid certificate is distrusted for a minute; one that could not be reached, for a few seconds. The state
+        itself is never condemned: a liar may claim an honest state too."""
+        now = time.monotonic()
+        self._distrust = {p: t for p, t in self._distrust.items() if t > now}
+        self._liars = {p: t for p, t in self._liars.items() if t > now}
+        asked = [p for p in claim.donors if p not in self._distrust][:MAX_CLAIMANTS_ASKED]
+        for peer in asked:
+            try:
+                cert = await fetch_certificate(self.transport, peer, fingerprint=self.fingerprint,
+                                               ticket=self.credentials.ticket, timeout=self.control_timeout)
+            except StateSyncError as exc:  # it answered, but with no certificate for what it claims: a lie
+                self._distrust[peer] = self._liars[peer] = now + DISTRUST_S
+                logger.warning("not adopting round %d %s… claimed by %s: %s", claim.round, claim.state_hash[:12],
+                               peer[-8:], exc)
+                continue
+            except Exception as exc:  # noqa: BLE001 - unreachable or too slow: ask again soon
+                self._distrust[peer] = now + UNREACHABLE_S
+                logger.info("no certificate for round %d from %s: %r", claim.round, peer[-8:], exc)
+                continue
+            s = cert.statement
+            problem = self.verify(cert)
+            if not problem and not outranks((s.work, s.round, s.new_hash),
+                                             (self.head.work, self.head.round, self.head.state_hash)):
+                problem = f"it certifies round {s.round}, which does not outrank ours"
+            if not problem:
+                self._remember((s.round, s.new_hash), cert)
+                return cert, peer
+            self._distrust[peer] = self._liars[peer] = now + DISTRUST_S
+            logger.warning("not adopting round %d %s… claimed by %s: %s", claim.round, claim.state_hash[:12],
+                           peer[-8:], problem)
+        return None, ""
+
+    def _remember(self, key: tuple[int, str], verdict: Certificate) -> None:
+        self._verdicts[key] = verdict
+        self._verdicts.move_to_end(key)
+        while len(self._verdicts) > MAX_VERDICTS:
+            self._verdicts.popitem(last=False)

@@ -1,0 +1,320 @@
+"""The real transport: hivemind's DHT (on our own loop by default, or in hivemind's forked process), its p2pd
+daemon, a P2P replica, and an asyncio loop on a background thread that serves our stream protocols while the training
+thread keeps the accelerator busy.
+
+The training thread talks to the loop only through `submit` / `call` (thread-safe futures with timeouts) and
+`update_record`; see `swarmloco.protocol.network.transport.Transport` for the interface the round code relies on.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+import hivemind
+import uvloop
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils import get_dht_time
+
+from swarmloco.protocol.base.records import PeerRecord, peers_key, revocations_key
+from swarmloco.protocol.network.data_plane import hosts_from_maddrs
+from swarmloco.protocol.network.dht_host import LocalDHT
+from swarmloco.protocol.network.transport import Stream, StreamHandler, run_on
+from swarmloco.protocol.trust.admission import Credentials, Gate, Ticket
+from swarmloco.protocol.trust.signed_records import MAX_RECORD_TTL_S, RecordError, RunValidator, open_record, seal
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetworkConfig:
+    """How this peer reaches the swarm (all hivemind/libp2p options that matter to users)."""
+
+    run_id: str = "swarmloco"
+    initial_peers: tuple[str, ...] = ()
+    host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
+    announce_maddrs: tuple[str, ...] = ()
+    identity: str | None = None
+    client_mode: bool = False
+    use_relay: bool = True
+    use_auto_relay: bool = False
+    data_plane: bool = True  # move round tensors over direct TCP when the leader is reachable (libp2p otherwise)
+    record_ttl_s: float = 20.0
+    heartbeat_s: float = 2.0
+    # hivemind's forked DHT process copies the whole peer (torch, model) copy-on-write and dirties it: on a tiny
+    # model it doubles the peer's memory. In-process, DHT requests share our GIL instead; they are few and small.
+    dht_process: bool = False
+    dht_timeout_s: float = 3.0  # one DHT RPC (hivemind's wait_timeout); a machine running dozens of peers needs more
+
+    def __post_init__(self) -> None:
+        if not self.run_id or len(self.run_id) > 64 or not all(c.isalnum() or c in "-_." for c in self.run_id):
+            raise ValueError(f"run_id: got {self.run_id!r}, allowed 1-64 characters of letters, digits, '-', '_', '.'")
+        for maddr in (*self.initial_peers, *self.host_maddrs, *self.announce_maddrs):
+            if not maddr.startswith("/"):
+                raise ValueError(
+                    f"multiaddr: got {maddr!r}, allowed a multiaddr such as /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo..."
+                )
+        if not 1.0 <= self.record_ttl_s <= MAX_RECORD_TTL_S:
+            raise ValueError(f"record_ttl_s: got {self.record_ttl_s}, allowed 1 .. {MAX_RECORD_TTL_S:.0f}")
+        if not 0.5 <= self.dht_timeout_s <= 120:
+            raise ValueError(f"dht_timeout_s: got {self.dht_timeout_s}, allowed 0.5 .. 120")
+        if not 0.1 <= self.heartbeat_s < self.record_ttl_s:
+            raise ValueError(f"heartbeat_s: got {self.heartbeat_s}, allowed 0.1 .. record_ttl_s ({self.record_ttl_s})")
+
+
+MAX_VERIFIED = 4096
+REVOCATIONS_EVERY_S = 15.0  # how often the authority's revocation list is re-read from the DHT
+
+
+class SwarmNode:
+    """Owns the DHT, the P2P replica and the loop thread; publishes this peer's signed record on a heartbeat and
+    reads others' records, trusting only those signed by their own peer with a valid ticket (`gate`)."""
+
+    def __init__(self, net: NetworkConfig, *, credentials: Credentials, gate: Gate) -> None:
+        self.net, self.credentials, self.gate = net, credentials, gate
+        self.store_failures = 0  # record stores the DHT refused or that failed, in a row
+        self._verified: dict[tuple[str, str], tuple[PeerRecord, float]] = {}  # (peer, signature) -> checked record
+        self.dht: hivemind.DHT | LocalDHT | None = None
+        self.p2p: P2P | None = None
+        self.loop = uvloop.new_event_loop()  # roughly twice asyncio's stream throughput for the bulk tensors
+        self._thread = threading.Thread(target=self._run_loop, name="swarm-loop", daemon=True)
+        self._record: PeerRecord | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._handlers: list[str] = []
+
+    # --- lifecycle ------------------------------------------------------------------------------------------------
+    def start(self, *, timeout: float = 120.0) -> None:
+        kwargs: dict[str, Any] = dict(
+            initial_peers=list(self.net.initial_peers),
+            host_maddrs=list(self.net.host_maddrs),
+            client_mode=self.net.client_mode,
+            use_relay=self.net.use_relay,
+            use_auto_relay=self.net.use_auto_relay,
+            record_validators=[RunValidator(self.net.run_id, self.gate.authority)],
+            wait_timeout=self.net.dht_timeout_s,
+            start=True,
+        )
+        if self.net.announce_maddrs:
+            kwargs["announce_maddrs"] = list(self.net.announce_maddrs)
+        if self.net.identity:
+            # The identity file is ours (Ed25519, libp2p format); hivemind's own "is it taken" probe only reads RSA.
+            kwargs.update(identity_path=self.net.identity, check_if_identity_free=False)
+        if self.net.dht_process:
+            self.dht = hivemind.DHT(**kwargs)  # forked before our loop thread exists
+            self._thread.start()
+        else:
+            self._thread.start()
+            del kwargs["start"]
+            self.dht = self.call(LocalDHT.create(**kwargs), timeout=timeout)
+        if self.dht.peer_id.to_base58() != self.credentials.peer_id:
+            raise RuntimeError("the DHT runs under another identity than the one this peer signs with")
+        self.p2p = self.call(self.dht.replicate_p2p(), timeout=timeout)
+        self._heartbeat = self.call(self._start_heartbeat(), timeout=timeout)
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    async def _start_heartbeat(self) -> asyncio.Task[None]:
+        return asyncio.create_task(self._heartbeat_loop())
+
+    def shutdown(self, *, timeout: float = 15.0) -> None:
+        if self._thread.is_alive():
+            try:
+                self.call(self._async_shutdown(), timeout=timeout)
+            except (concurrent.futures.TimeoutError, RuntimeError) as exc:
+                logger.warning("swarm loop did not stop cleanly: %r", exc)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout)
+        if self.dht is not None:
+            self.dht.shutdown()  # stops the DHT (process, or node if the loop did not) and its p2pd daemon
+            self.dht = None
+
+    async def _async_shutdown(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        if self.p2p is not None:
+            for name in self._handlers:
+                try:
+                    await asyncio.wait_for(self.p2p.remove_binary_stream_handler(name), 5)
+                except Exception as exc:  # noqa: BLE001 - best effort while shutting down
+                    logger.debug("removing handler %s: %r", name, exc)
+            await self.p2p.shutdown()
+        if isinstance(self.dht, LocalDHT):
+            await self.dht.aclose()  # before the tasks below are cancelled: the node's own tasks are among them
+        pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in pending:
+            task.cancel()
+
+    # --- bridging the training thread and the loop ----------------------------------------------------------------
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, coro: Coroutine[Any, Any, T], *, timeout: float) -> T:
+        return run_on(self.loop, coro, timeout=timeout)
+
+    # --- identity, addresses, handlers ----------------------------------------------------------------------------
+    @property
+    def peer_id(self) -> str:
+        assert self.dht is not None
+        return self.dht.peer_id.to_base58()
+
+    @property
+    def run_id(self) -> str:
+        return self.net.run_id
+
+    def visible_maddrs(self) -> list[str]:
+        assert self.dht is not None
+        return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    def data_plane_hosts(self) -> tuple[str, list[str]] | None:
+        if not self.net.data_plane:
+            return None
+        listen = hosts_from_maddrs(list(self.net.host_maddrs))
+        advertise = hosts_from_maddrs(list(self.net.announce_maddrs) or self.visible_maddrs())
+        if not advertise:
+            return None
+        return (listen[0] if len(listen) == 1 else "0.0.0.0"), advertise
+
+    async def add_handler(self, name: str, handler: StreamHandler) -> None:
+        assert self.p2p is not None
+
+        async def serve(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await handler(info.peer_id.to_base58(), reader, writer)
+
+        await self.p2p.add_binary_stream_handler(name, serve)
+        self._handlers.append(name)
+
+    async def open_stream(self, peer_id: str, name: str, *, timeout: float) -> Stream:
+        assert self.p2p is not None
+        _, reader, writer = await asyncio.wait_for(
+            self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name), timeout
+        )
+        return reader, writer
+
+    # --- the peer record: written on the loop thread only -----------------------------------------------------------
+    def update_record(self, **changes: Any) -> None:
+        """Change fields of this peer's record (every field, the first time) and publish it now; thread-safe.
+        The change is applied on the loop thread, in call order, so concurrent updates never undo each other."""
+        if self._on_loop():
+            self._apply_record(changes)
+        else:
+            self.loop.call_soon_threadsafe(self._apply_record, changes)
+
+    def _on_loop(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def _apply_record(self, changes: dict[str, Any]) -> None:
+        record = replace(self._record, **changes) if self._record is not None else PeerRecord(**changes)
+        if record == self._record:
+            return  # nothing new to tell (a leader re-states its member count on every poll); the heartbeat refreshes
+        self._record = record
+        self.loop.create_task(self._publish())
+
+    async def _publish(self) -> None:
+        record, dht = self._record, self.dht
+        if record is None or dht is None:
+            return
+        expiration = get_dht_time() + self.net.record_ttl_s
+        value = seal(self.credentials.identity, self.net.run_id, record, self.credentials.ticket.decode(), expiration)
+        loop = asyncio.get_running_loop()
+        try:
+            # return_future + a bounded result(): a store in flight when the DHT stops must not hang this thread
+            stored = await loop.run_in_executor(
+                None,
+                lambda: dht.store(
+                    peers_key(self.net.run_id), value, expiration, subkey=self.peer_id, return_future=True
+                ).result(timeout=self.net.record_ttl_s),
+            )
+        except Exception as exc:  # noqa: BLE001 - the DHT may be briefly unreachable; the heartbeat retries
+            stored = False
+            logger.debug("storing our DHT record: %r", exc)
+        if stored:
+            if self.store_failures:
+                logger.info("our DHT record is stored again after %d failed attempt(s)", self.store_failures)
+            self.store_failures = 0
+            return
+        self.store_failures += 1
+        if self.store_failures in (3, 10) or self.store_failures % 100 == 0:
+            # Others stop seeing us once the last stored copy expires: say so instead of failing silently.
+            logger.warning("the DHT refused or lost our record %d time(s) in a row; retrying every %.1fs",
+                           self.store_failures, self.net.heartbeat_s)
+
+    async def _heartbeat_loop(self) -> None:
+        last_revocations = -REVOCATIONS_EVERY_S
+        while True:
+            await self._publish()
+            if self.gate.authority is not None and time.monotonic() - last_revocations >= REVOCATIONS_EVERY_S:
+                last_revocations = time.monotonic()
+                await self._read_revocations()
+            await asyncio.sleep(self.net.heartbeat_s)
+
+    async def _read_revocations(self) -> None:
+        dht, authority = self.dht, self.gate.authority
+        if dht is None or authority is None:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            found = await loop.run_in_executor(None, lambda: dht.get(
+                revocations_key(self.net.run_id), latest=True, return_future=True).result(timeout=10))
+        except Exception as exc:  # noqa: BLE001 - looked up again on the next heartbeat
+            logger.debug("reading revocations: %r", exc)
+            return
+        item = found.value.get(authority) if found is not None and isinstance(found.value, dict) else None
+        if item is not None and self.gate.update_revocations(getattr(item, "value", None)):
+            logger.info("the run's authority revoked %d peer(s) (list %d)", len(self.gate.revoked), self.gate.serial)
+            if self.peer_id in self.gate.revoked:
+                logger.error("this peer is revoked by the run's authority: other peers refuse it")
+
+    async def fetch_records(self, *, timeout: float) -> dict[str, PeerRecord]:
+        """Every other admitted peer's live record of this run, signed by that peer (anything else is dropped)."""
+        dht = self.dht
+        assert dht is not None
+        loop = asyncio.get_running_loop()
+        found = await asyncio.wait_for(
+            loop.run_in_executor(
+                None,
+                lambda: dht.get(peers_key(self.net.run_id), latest=True, return_future=True).result(timeout=timeout),
+            ),
+            timeout + 1,
+        )
+        records: dict[str, PeerRecord] = {}
+        if found is None or not isinstance(found.value, dict):
+            return records
+        now = time.time()
+        for subkey, item in found.value.items():
+            if not isinstance(subkey, str) or subkey == self.peer_id:
+                continue
+            value = getattr(item, "value", None)
+            sig = value.get("sig") if isinstance(value, dict) else None
+            known = self._verified.get((subkey, sig)) if isinstance(sig, str) else None
+            if known is not None and known[1] > now and subkey not in self.gate.revoked:
+                records[subkey] = known[0]  # the same signed bytes as last time: already checked
+                continue
+            try:
+                record = open_record(value, run_id=self.net.run_id, subkey=subkey, gate=self.gate,
+                                     expiration=getattr(item, "expiration_time", None))
+            except RecordError as exc:
+                logger.debug("ignoring the record under %s…: %s", subkey[:16], exc)
+                continue
+            records[subkey] = record
+            self._remember_verified(subkey, value, record)
+        return records
+
+    def _remember_verified(self, subkey: str, value: dict[str, Any], record: PeerRecord) -> None:
+        """Cache a checked record by its signature until its ticket expires (a record is re-read every poll)."""
+        valid_until = float(value["expires"])
+        if self.gate.authority is not None:
+            try:
+                valid_until = min(valid_until, Ticket.from_bytes(value["ticket"]).expires_at)
+            except ValueError:
+                return
+        if len(self._verified) >= MAX_VERIFIED:
+            self._verified.clear()
+        self._verified[(subkey, value["sig"])] = (record, valid_until)

@@ -1,0 +1,231 @@
+"""The audit of a sharded round: every member checks every reduced shard before it signs anything.
+
+A reducer's signed result says "shard j = Σ coeff_i × part_i" over the settled contributors' parts. Checking it
+directly would mean moving every part to every member. Instead, once every result is fixed, the members draw
+random probes R_j and compare scalars: each contributor i publishes <R_j, its own part of shard j> for every j,
+signed, and every member checks <R_j, result_j> against Σ coeff_i <R_j, part_i>. A wrong result fails that test
+unless its error happens to be orthogonal to a probe it could not know when it sent the result.
+
+The steps, each one frame on every shard connection:
+1. Reveal. The nonce behind each member's audit commitment (its claim carried sha256 of it), with the signed header
+   of every result it received. The probes' seed is drawn from all nonces, so no reducer knew it in advance. Two
+   different signed headers for one shard prove that its reducer equivocated.
+2. Sketch. Each member's signed sketches of its own parts, every shard.
+3. Verdict. Each reducer checks the sketches of its shard against the parts it holds. A contributor whose sketch
+   does not match is accused, with its signed part as evidence anyone can recompute. Otherwise the reducer signs
+   "every sketch matches", so a combination that then fails is proof that the reducer lied.
+
+Whoever is proven to have cheated is returned to the caller, which refuses the round and bans them for the run; a
+member that stops answering is blamed for the round and skipped for a while, like a vanished one.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
+from swarmloco.protocol.base.codecs import Codec, CodecError
+from swarmloco.protocol.base.wire import WireError, frame_bytes
+from swarmloco.protocol.round.groups import RoundAborted
+from swarmloco.protocol.round.pipes import Pipe
+from swarmloco.protocol.round.plans import Plan
+from swarmloco.protocol.round.robust import combination_ok, norm, sketch_matches, sketches
+from swarmloco.protocol.trust.identity import Identity
+from swarmloco.protocol.trust.payloads import (
+    commitment,
+    digest,
+    part_body,
+    result_body,
+    result_body_of,
+    sign,
+    signed,
+    signed_digest,
+    sketch_body,
+    verdict_body,
+)
+
+
+@dataclass
+class AuditCase:
+    """What one member brings to the audit of a round it holds every result of."""
+
+    plan: Plan
+    plan_id: bytes
+    k: int  # our index in the plan
+    run_id: str
+    identity: Identity
+    codec: Codec
+    probes: int
+    nonce: bytes
+    commits: tuple[str, ...]  # each member's audit commitment, plan order
+    settled: tuple[str, ...]
+    results: dict[int, pb.ShardResult]  # every shard's signed header as we received it (ours included)
+    rounding: dict[int, float]  # the codec's rounding bound of each received result
+    average: torch.Tensor  # the decoded results
+    own: list[torch.Tensor]  # our part of every shard, as its reducer decoded it
+    parts: dict[str, torch.Tensor]  # the parts of our shard we hold, by contributor
+    part_frames: dict[str, tuple[pb.ShardPart, bytes]] = field(default_factory=dict)  # their signed headers + bytes
+    sent: int = 0
+    received: int = 0
+
+
+@dataclass
+class Findings:
+    cheaters: dict[str, str] = field(default_factory=dict)  # peer -> the evidence, in words
+    failed: set[int] = field(default_factory=set)  # shards that failed their check
+
+    def convict(self, peer: str, why: str) -> None:
+        self.cheaters.setdefault(peer, why[:300])
+
+
+async def audit(case: AuditCase, pipes: dict[str, Pipe], *, timeout: float) -> Findings:
+    """Run the three audit steps with every other member; returns who was proven to cheat (empty: every shard
+    checks out). Raises RoundAborted, blaming the peer, when a member does not take part."""
+    plan, me = case.plan, case.plan.members[case.k]
+    others = [p for p in plan.members if p != me]
+    found = Findings()
+    loop = asyncio.get_running_loop()
+    n, q = len(plan.members), case.probes
+
+    bodies = [result_body(case.run_id, case.plan_id, plan.members[j], case.results[j]) for j in range(n)]
+    reveal = pb.AuditReveal(round=plan.round, nonce=case.nonce, digests=[signed_digest(b) for b in bodies],
+                            signatures=[case.results[j].signature for j in range(n)])
+    reveals = await _everyone(case, pipes, others, reveal, pb.AuditReveal, 0, timeout)
+    nonces = {me: case.nonce}
+    for peer, (msg, _) in reveals.items():
+        i = plan.members.index(peer)
+        if msg.round != plan.round or commitment(bytes(msg.nonce)) != case.commits[i]:
+            raise RoundAborted(f"{peer[-8:]} revealed a nonce that is not the one it committed to", blame=peer)
+        nonces[peer] = bytes(msg.nonce)
+        for j, (d, sig) in enumerate(zip(msg.digests[:n], msg.signatures[:n], strict=False)):
+            reducer = plan.members[j]
+            if bytes(d) != signed_digest(bodies[j]) and signed(reducer, result_body_of(bytes(d)), bytes(sig)):
+                found.convict(reducer, f"signed two different results for shard {j} (equivocation)")
+    if found.cheaters:
+        return found
+    seed = hashlib.sha256(case.plan_id + b"".join(nonces[p] for p in plan.members)).digest()
+
+    def sketch_all() -> tuple[list[list[float]], list[list[float]], dict[str, list[float]]]:
+        own, results, held = [], [], {}
+        for j in range(len(plan.members)):
+            theirs = case.average[plan.shard(j)]
+            extra = [case.parts[p] for p in case.settled if p != me] if j == case.k else []
+            out = sketches(seed, j, case.probes, [case.own[j], theirs, *extra])
+            own.append(out[0])
+            results.append(out[1])
+            if j == case.k:
+                held = dict(zip([p for p in case.settled if p != me], out[2:], strict=True))
+        return own, results, held
+
+    own, result_sketches, held = await loop.run_in_executor(None, sketch_all)
+    mine = pb.AuditSketch(round=plan.round, sketches=[s for shard in own for s in shard])
+    mine.signature = sign(case.identity, sketch_body(case.run_id, case.plan_id, me, mine))
+    received = await _everyone(case, pipes, others, mine, pb.AuditSketch, 0, timeout)
+    theirs: dict[str, list[list[float]]] = {me: own}
+    for peer, (msg, _) in received.items():
+        values = list(msg.sketches)
+        # (an excluded member's Δ, e.g. a NaN one, is in no shard: its sketches are never used)
+        finite = peer not in case.settled or all(math.isfinite(v) for v in values)
+        if msg.round != plan.round or len(values) != n * q or not finite or \
+                not signed(peer, sketch_body(case.run_id, case.plan_id, peer, msg), msg.signature):
+            raise RoundAborted(f"{peer[-8:]} sent a malformed or unsigned audit sketch", blame=peer)
+        theirs[peer] = [values[j * q:(j + 1) * q] for j in range(n)]
+
+    verdict, evidence = _our_verdict(case, theirs, held)
+    verdict.signature = sign(case.identity, verdict_body(case.run_id, case.plan_id, me, verdict))
+    if verdict.accused:
+        found.convict(verdict.accused, f"its audit sketch of shard {case.k} does not match the part it signed")
+    verdicts = await _everyone(case, pipes, others, verdict, pb.AuditVerdict, None, timeout, payload=evidence)
+    for reducer, (v, body) in verdicts.items():
+        j = plan.members.index(reducer)
+        if v.round != plan.round or v.shard != j or \
+                not signed(reducer, verdict_body(case.run_id, case.plan_id, reducer, v), v.signature):
+            raise RoundAborted(f"{reducer[-8:]} sent a malformed or unsigned audit verdict", blame=reducer)
+        if v.accused:
+            liar = await loop.run_in_executor(None, _judge, case, seed, j, reducer, v, bytes(body), theirs)
+            found.convict(liar, f"audit of shard {j}: " + (
+                "its sketch does not match the part it signed" if liar == v.accused else
+                f"it accused {v.accused[-8:]} without evidence"))
+            found.failed.add(j)
+    for j, reducer in enumerate(plan.members):
+        if j in found.failed or (j == case.k and verdict.accused):
+            continue
+        header = case.results[j]
+        members = list(header.members)
+        if not combination_ok(result_sketches[j], list(header.coeffs), [theirs[p][j] for p in members],
+                              list(header.norms), case.rounding[j]):
+            found.failed.add(j)
+            found.convict(reducer, f"shard {j} is not the combination of the parts it signed")
+    return found
+
+
+def _our_verdict(case: AuditCase, theirs: dict[str, list[list[float]]],
+                 held: dict[str, list[float]]) -> tuple[pb.AuditVerdict, bytes]:
+    verdict = pb.AuditVerdict(round=case.plan.round, shard=case.k)
+    size = case.plan.shard(case.k).stop - case.plan.shard(case.k).start
+    for peer, ours in held.items():
+        scale = norm(case.parts[peer]) * math.sqrt(max(size, 1))
+        if not sketch_matches(theirs[peer][case.k], ours, scale):
+            header, payload = case.part_frames[peer]
+            verdict.accused, verdict.part_digest, verdict.part_signature = peer, header.digest, header.signature
+            return verdict, payload
+    return verdict, b""
+
+
+def _judge(case: AuditCase, seed: bytes, j: int, reducer: str, v: pb.AuditVerdict, body: bytes,
+           theirs: dict[str, list[list[float]]]) -> str:
+    """Who lied, given reducer j's accusation: the accused when its signed part contradicts its sketch, else the
+    reducer (an accusation without valid evidence is itself signed)."""
+    accused = v.accused
+    plan = case.plan
+    if accused not in case.settled or accused not in theirs:
+        return reducer
+    body_ok = digest(body) == bytes(v.part_digest) and signed(
+        accused, part_body(case.run_id, plan.round, case.plan_id, j, accused, bytes(v.part_digest)),
+        bytes(v.part_signature))
+    if not body_ok:
+        return reducer
+    size = plan.shard(j).stop - plan.shard(j).start
+    try:
+        part = case.codec.decode(bytearray(body), size)
+    except CodecError:
+        return accused  # it signed bytes that do not decode: its part was never valid
+    ours = sketches(seed, j, case.probes, [part])[0]
+    scale = norm(part) * math.sqrt(max(size, 1))
+    return reducer if sketch_matches(theirs[accused][j], ours, scale) else accused
+
+
+async def _everyone(case: AuditCase, pipes: dict[str, Pipe], others: list[str], message, kind, max_payload,
+                    timeout: float, *, payload: bytes = b"") -> dict[str, tuple]:
+    """Send `message` to every other member and receive one `kind` frame from each (at most `max_payload` bytes;
+    None: up to the encoded size of the sender's shard)."""
+
+    async def send(peer: str) -> None:
+        sent = await pipes[peer].send(message, payload, timeout=timeout)
+        case.sent += sent  # (not `+= await`: that would read the total before the await)
+
+    async def recv(peer: str) -> tuple:
+        cap = max_payload
+        if cap is None:
+            s = case.plan.shard(case.plan.members.index(peer))
+            cap = case.codec.encoded_size(s.stop - s.start)
+        try:
+            header, body = await pipes[peer].recv(kind, max_payload=cap, timeout=timeout)
+            case.received += frame_bytes(header, len(body))
+            return header, body
+        except WireError as exc:
+            raise RoundAborted(f"{peer[-8:]} did not take part in the audit: {exc}", blame=peer) from exc
+
+    sends = asyncio.gather(*(send(p) for p in others))
+    try:
+        got = await asyncio.gather(*(recv(p) for p in others))
+    finally:
+        try:
+            await sends
+        except WireError:
+            pass  # a member we could not reach fails its own audit; ours only needs what it sent us
+    return dict(zip(others, got, strict=True))

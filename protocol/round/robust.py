@@ -1,0 +1,146 @@
+"""Robust aggregation of one shard, and the arithmetic every member uses to check a reducer's result.
+
+The rule (`coefficients`) depends only on numbers each honest contributor can check for itself: the L2 norm of
+each contributor's part of the shard and the plan's weights. With `clip` (the default):
+
+    mu    = the (lower) median of the parts' norms
+    tau   = clip_factor × mu
+    part i is rejected when its norm exceeds reject_factor × mu (weight 0), else scaled by min(1, tau / norm_i)
+    result = Σ coeff_i × part_i,  coeff_i = w_i × scale_i / Σ_{not rejected} w_j
+
+so any one contribution moves a shard by at most its weight share × tau, whatever it sent, and a contribution
+orders of magnitude off (Δ × −1000, a random 1000× vector) is dropped from the shard outright. The median is over
+contributors, not weights: inflating a token count does not move it. `mean` (plain weighted mean) stays for the
+control experiment.
+
+A reducer signs the norms, tau and coefficients with its result. Each member then checks, without any other data:
+the coefficients follow from the norms and weights (`coefficients_ok`); its own part's norm is what the reducer
+says (`norm_matches`); and the result is no longer than Σ coeff_i × norm_i (`within_bound`, the triangle inequality,
+plus the codec's rounding). That last check bounds a reducer that lies about its own part's norm, the one number
+nobody else can check. Whether the result is that combination of those exact parts is the audit's job
+(`swarmloco.protocol.round.audit`): random probes R drawn after the result is fixed, with <R, result> = Σ coeff_i <R,
+part_i>.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+
+import torch
+
+from swarmloco.protocol.base.codecs import BLOCK, Codec
+from swarmloco.protocol.round.config import Rule
+
+PROBE_CHUNK = 1 << 20  # elements per chunk of a probe (4 MiB of fp32)
+NORM_RTOL = 1e-5  # a reducer's reported norm of our part vs ours (float64 sums of the same decoded values)
+
+
+def norm(t: torch.Tensor) -> float:
+    """||t||, in float32 (blocked sums: about 1e-7 relative, 20× faster than widening to float64)."""
+    return float(torch.linalg.vector_norm(t)) if t.numel() else 0.0
+
+
+def coefficients(norms: Sequence[float], weights: Sequence[int], rule: Rule) -> tuple[list[float], float]:
+    """(coeff_i per contributor, tau) for parts of these norms and weights; pure float arithmetic, so every member
+    recomputes exactly what an honest reducer computed."""
+    if not norms or len(norms) != len(weights):
+        raise ValueError("coefficients: need one norm per weight, at least one")
+    if rule.aggregator == "mean":
+        total = float(sum(weights))
+        return [w / total for w in weights], 0.0
+    mu = sorted(norms)[(len(norms) - 1) // 2]
+    tau = rule.clip_factor * mu
+    kept = [not (rule.reject_factor and n > rule.reject_factor * mu) for n in norms]
+    total = float(sum(w for w, k in zip(weights, kept, strict=True) if k))
+    scales = [(1.0 if n <= tau else tau / n) if k else 0.0 for n, k in zip(norms, kept, strict=True)]
+    return [w * s / total for w, s in zip(weights, scales, strict=True)], tau
+
+
+def coefficients_ok(norms: Sequence[float], weights: Sequence[int], coeffs: Sequence[float], tau: float,
+                    rule: Rule) -> bool:
+    if len(coeffs) != len(weights) or len(norms) != len(weights):
+        return False
+    if not all(math.isfinite(n) and n >= 0 for n in norms):
+        return False
+    want, want_tau = coefficients(norms, weights, rule)
+    return math.isclose(tau, want_tau, rel_tol=1e-12, abs_tol=0.0) and all(
+        math.isclose(c, w, rel_tol=1e-12, abs_tol=1e-300) for c, w in zip(coeffs, want, strict=True))
+
+
+def aggregate(parts: Sequence[torch.Tensor], coeffs: Sequence[float]) -> torch.Tensor:
+    """Σ coeff_i part_i, in order (the same float operations everywhere); zero coefficients cost nothing."""
+    acc = torch.zeros_like(parts[0])
+    for part, c in zip(parts, coeffs, strict=True):
+        if c:
+            acc.add_(part, alpha=c)
+    return acc
+
+
+def norm_matches(reported: float, ours: float) -> bool:
+    return abs(reported - ours) <= NORM_RTOL * max(ours, reported) + 1e-30
+
+
+def rounding_bound(codec: Codec, payload: bytes | bytearray | memoryview, decoded: torch.Tensor) -> float:
+    """An upper bound on ||decoded − x|| for any x this codec encodes to `payload`: zero for fp32; half a step per
+    element for int8/int4 (from each block's scale); half an ulp of each value for fp16/bf16."""
+    if codec.lossless or decoded.numel() == 0:
+        return 0.0
+    if codec.name in ("int8", "int4"):
+        blocks = -(-decoded.numel() // BLOCK)
+        scales = torch.frombuffer(bytearray(memoryview(payload)[: 4 * blocks]), dtype=torch.float32)
+        half_steps = scales.double() / 2
+        return float(torch.sqrt((half_steps * half_steps).sum() * BLOCK)) * (1 + 1e-5)
+    mantissa = {"fp16": 10, "bf16": 7}[codec.name]
+    tiny = {"fp16": 2.0**-25, "bf16": 2.0**-134}[codec.name]  # half the smallest subnormal step
+    return norm(decoded) * 2.0 ** -(mantissa + 1) * (1 + 1e-3) + tiny * math.sqrt(decoded.numel())
+
+
+def within_bound(result_norm: float, coeffs: Sequence[float], norms: Sequence[float], rounding: float) -> bool:
+    """||Σ c_i x_i|| ≤ Σ |c_i| ||x_i||, after the codec's rounding, with float slack."""
+    bound = sum(abs(c) * n for c, n in zip(coeffs, norms, strict=True))
+    return result_norm <= bound * (1 + 1e-5) + rounding + 1e-30
+
+
+def probe_seed(seed: bytes, shard: int, probe: int) -> int:
+    return int.from_bytes(hashlib.sha256(seed + f"/{shard}/{probe}".encode()).digest()[:8], "little") >> 1
+
+
+def sketches(seed: bytes, shard: int, probes: int, tensors: Sequence[torch.Tensor]) -> list[list[float]]:
+    """For each tensor x (all of one shard's length): [<R_p, x> for p in range(probes)], R_p standard normal from
+    (seed, shard, p). Each R_p chunk is drawn once (float32) and multiplied with every tensor; the products are
+    summed in float64, so the only rounding is one float32 ulp per product."""
+    size = tensors[0].numel()
+    out = [[0.0] * probes for _ in tensors]
+    scratch = torch.empty(min(size, PROBE_CHUNK))
+    for p in range(probes):
+        gen = torch.Generator().manual_seed(probe_seed(seed, shard, p))
+        for start in range(0, size, PROBE_CHUNK):
+            stop = min(size, start + PROBE_CHUNK)
+            r = torch.randn(stop - start, generator=gen)
+            for i, x in enumerate(tensors):
+                product = torch.mul(r, x[start:stop], out=scratch[: stop - start])
+                out[i][p] += float(product.sum(dtype=torch.float64))
+    return out
+
+
+def combination_ok(result_sketch: Sequence[float], coeffs: Sequence[float], part_sketches: Sequence[Sequence[float]],
+                   norms: Sequence[float], rounding: float) -> bool:
+    """<R, result> = Σ c_i <R, x_i> for every probe, within the codec's rounding (a Gaussian probe of an error e is
+    N(0, ||e||²): 7 standard deviations) and the float32 rounding of the reducer's sum (about (N + 1) ulps of each
+    term, with room to spare)."""
+    float_slack = 1e-6 * (len(coeffs) + 8) * sum(abs(c) * n for c, n in zip(coeffs, norms, strict=True))
+    slack = 7 * rounding + float_slack + 1e-30
+    for p, got in enumerate(result_sketch):
+        want = sum(c * s[p] for c, s in zip(coeffs, part_sketches, strict=True))
+        if not abs(got - want) <= slack:
+            return False
+    return True
+
+
+def sketch_matches(claimed: Sequence[float], ours: Sequence[float], scale: float) -> bool:
+    """A contributor's sketch of its own part against the reducer's sketch of the same decoded values: equal up
+    to float64 summation order (`scale`: ||part|| × sqrt(len), the size of the dot's terms)."""
+    if len(claimed) != len(ours):
+        return False
+    return all(abs(a - b) <= 1e-9 * scale + 1e-30 for a, b in zip(claimed, ours, strict=True))

@@ -1,0 +1,228 @@
+"""Commit certificates: the proof that θ_{r+1} is the swarm's state and not one peer's claim.
+
+A round's members each re-derive θ_{r+1} from the average they received and sign one `Statement`: the run, the
+new round number, the previous and the new state hash, who contributed with which weight, how many active peers
+the group was formed among (`swarm`), and the chain's cumulative certified tokens (`work`). A `Certificate` is that
+statement with signatures of at least `need(swarm, quorum)` distinct admitted members: a majority of the active
+swarm, so two disjoint groups cannot both certify the same round.
+
+Everything here is checked offline by whoever receives a certificate: signatures against the keys inlined in the
+peer ids, tickets against the run's authority (`swarmloco.protocol.trust.admission.Gate`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from swarmloco.protocol.trust.admission import Gate
+from swarmloco.protocol.trust.identity import Identity, verify
+
+__all__ = ["Certificate", "Head", "Statement", "need", "supports"]
+
+MAX_CERT_BYTES = 512 * 1024
+MAX_MEMBERS = 10_000
+MAX_WORK = 2**62
+SIGNER_GRACE_S = 7 * 86400.0
+_DOMAIN = b"swarmloco-commit-v1\n"
+_HASH = re.compile(r"[0-9a-f]{64}")
+
+
+def signed_by(peer: str, body: bytes, signature: str) -> bool:
+    """Whether `signature` (hex) is `peer`'s signature of `body`."""
+    try:
+        return verify(peer, body, bytes.fromhex(signature))
+    except ValueError:
+        return False
+
+
+def refusal_to_sign(statement: Statement, prev: Head, *, round_number: int, swarm: int,
+                    group_members: Sequence[str], me: str, my_tokens: int) -> str:
+    """Why a member refuses to sign a well-formed statement its leader sent ("" when it signs). It must extend the
+    state we hold, with the work that state certified plus this round's weights, among the peers of our group, for
+    the swarm size announced when the group closed, and weigh us no more than the tokens we claimed. (The weights
+    themselves are re-derived from the contributors' signed claims before this: `swarmloco.protocol.round.exchange`.)"""
+    s = statement
+    if s.prev_hash != prev.state_hash or round_number != prev.round:
+        return "it starts from another state than ours"
+    if s.work != prev.work + sum(s.weights):
+        return f"work {s.work} is not ours ({prev.work}) plus this round's weights"
+    if s.swarm != swarm:
+        return f"swarm {s.swarm} differs from the {swarm} announced at close"
+    if not set(s.members) <= set(group_members):
+        return "it names contributors outside our group"
+    weights = dict(zip(s.members, s.weights, strict=True))
+    if me in weights and weights[me] > max(my_tokens, 1):
+        return f"our weight {weights[me]} exceeds the {my_tokens} tokens we sent"
+    return ""
+
+
+def need(swarm: int, quorum: int) -> int:
+    """Signatures a round of a `swarm`-peer swarm needs: the quorum, and more than half of the swarm."""
+    return max(quorum, swarm // 2 + 1)
+
+
+def supports(statement: Statement, active: int) -> bool:
+    """Whether a certificate made among `statement.swarm` peers speaks for a swarm in which we now see `active`
+    peers past genesis: a group that was a majority of at least half of them. A few colluders signing among
+    themselves claim a small swarm, and fail this against the honest peers we see."""
+    return 2 * statement.swarm >= active
+
+
+@dataclass(frozen=True, kw_only=True)
+class Statement:
+    run_id: str
+    round: int  # the new round r+1
+    prev_hash: str  # θ_r
+    new_hash: str  # θ_{r+1}
+    members: tuple[str, ...]  # contributors, sorted
+    weights: tuple[int, ...]  # their merge weights, same order
+    swarm: int  # active peers the group was formed among
+    work: int  # cumulative certified tokens of the chain, θ_{r+1} included
+
+    def body(self) -> bytes:
+        value = {**asdict(self), "members": list(self.members), "weights": list(self.weights)}
+        return _DOMAIN + json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+
+    def problem(self) -> str:
+        """Why this statement is malformed ("" when well formed)."""
+        if not (isinstance(self.round, int) and 1 <= self.round < 2**40):
+            return "round outside 1 .. 2^40"
+        if not (isinstance(self.prev_hash, str) and _HASH.fullmatch(self.prev_hash)
+                and isinstance(self.new_hash, str) and _HASH.fullmatch(self.new_hash)):
+            return "state hashes must be 64 hex digits"
+        if not (0 < len(self.members) <= MAX_MEMBERS and list(self.members) == sorted(set(self.members))):
+            return "members must be a non-empty sorted list without repeats"
+        if not all(isinstance(m, str) and 0 < len(m) <= 128 for m in self.members):
+            return "members must be peer ids"
+        if len(self.weights) != len(self.members) or not all(
+            isinstance(w, int) and not isinstance(w, bool) and 0 <= w < 2**48 for w in self.weights
+        ):
+            return "weights must be one non-negative integer per member"
+        if not (isinstance(self.swarm, int) and len(self.members) <= self.swarm <= MAX_MEMBERS):
+            return "swarm must count at least the members"
+        if not (isinstance(self.work, int) and sum(self.weights) <= self.work < MAX_WORK):
+            return "work must include this round's weights"
+        return ""
+
+
+@dataclass(frozen=True)
+class Certificate:
+    statement: Statement
+    signatures: dict[str, str] = field(default_factory=dict)  # signer -> hex signature of statement.body()
+    tickets: dict[str, str] = field(default_factory=dict)  # signer -> its ticket (empty in a private swarm)
+
+    @staticmethod
+    def sign(identity: Identity, statement: Statement) -> str:
+        return identity.sign(statement.body()).hex()
+
+    def to_bytes(self) -> bytes:
+        s = self.statement
+        value = {"statement": {**asdict(s), "members": list(s.members), "weights": list(s.weights)},
+                 "signatures": self.signatures, "tickets": self.tickets}
+        return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> Certificate:
+        """Parse (not verify); raises ValueError for anything malformed."""
+        if not raw or len(raw) > MAX_CERT_BYTES:
+            raise ValueError(f"certificate must be 1 .. {MAX_CERT_BYTES} bytes, got {len(raw)}")
+        try:
+            value: Any = json.loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            raise ValueError("certificate is not JSON") from None
+        if not isinstance(value, dict) or set(value) != {"statement", "signatures", "tickets"}:
+            raise ValueError("certificate must have exactly statement, signatures and tickets")
+        st, sigs, tickets = value["statement"], value["signatures"], value["tickets"]
+        if not isinstance(st, dict) or set(st) != set(Statement.__dataclass_fields__):
+            raise ValueError("certificate statement has the wrong fields")
+        if not (isinstance(st["members"], list) and all(isinstance(m, str) for m in st["members"])
+                and isinstance(st["weights"], list) and all(type(w) is int for w in st["weights"])):
+            raise ValueError("certificate members must be a list of peer ids and weights a list of integers")
+        if not all(type(st[k]) is int for k in ("round", "swarm", "work")) or not all(
+                isinstance(st[k], str) for k in ("run_id", "prev_hash", "new_hash")):
+            raise ValueError("certificate statement fields have the wrong types")
+        for mapping in (sigs, tickets):
+            if not isinstance(mapping, dict) or len(mapping) > MAX_MEMBERS or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()
+            ):
+                raise ValueError("certificate signatures and tickets must map peer ids to strings")
+        statement = Statement(**{**st, "members": tuple(st["members"]), "weights": tuple(st["weights"])})
+        return cls(statement, dict(sigs), dict(tickets))
+
+    def problem(self, *, run_id: str, gate: Gate, quorum: int) -> str:
+        """Why this certificate does not prove its statement ("" when it does). Never raises: a certificate is a
+        stranger's bytes."""
+        try:
+            return self._problem(run_id=run_id, gate=gate, quorum=quorum)
+        except (ValueError, TypeError, UnicodeError, RecursionError) as exc:
+            return f"malformed certificate: {type(exc).__name__}"
+
+    def _problem(self, *, run_id: str, gate: Gate, quorum: int) -> str:
+        s = self.statement
+        if s.run_id != run_id:
+            return f"certificate is for run {s.run_id!r}"
+        malformed = s.problem()
+        if malformed:
+            return f"malformed statement: {malformed}"
+        members = set(s.members)
+        body = s.body()
+        valid, refused = 0, []
+        # Signatures that do not count are skipped, not fatal: two peers whose revocation lists differ by one
+        # signer then still agree on a certificate that has enough of the others.
+        for signer, signature in self.signatures.items():
+            if signer not in members:
+                refused.append(f"{signer[:16]}… is not a member")
+                continue
+            # A signature made while its ticket was valid stays valid for a while: a peer resuming from a
+            # checkpoint still proves its state. Revocation applies at once.
+            not_admitted = gate.check(self.tickets.get(signer), signer, role="trainer", grace_s=SIGNER_GRACE_S)
+            if not_admitted:
+                refused.append(f"{signer[:16]}… is not admitted: {not_admitted}")
+                continue
+            try:
+                raw = bytes.fromhex(signature)
+            except ValueError:
+                raw = b""
+            if not verify(signer, body, raw):
+                refused.append(f"signature of {signer[:16]}… is invalid")
+                continue
+            valid += 1
+        wanted = need(s.swarm, quorum)
+        if valid < wanted:
+            why = f" ({'; '.join(refused[:3])})" if refused else ""
+            return f"{valid} valid signature(s), {wanted} needed for a swarm of {s.swarm}{why}"
+        return ""
+
+
+@dataclass(frozen=True)
+class Head:
+    """The certified state a peer holds: θ_0 (no certificate: every peer computes it) or a certified θ_r."""
+
+    round: int
+    state_hash: str
+    work: int = 0
+    certificate: Certificate | None = None
+
+    @property
+    def seed(self) -> str:
+        """What the leader order of the round from this state is drawn from. θ_0: its hash. Later: the hash
+        together with the members' signatures of the certificate. The leader of the previous round chose the
+        average, so it could try averages offline until the bare hash ranked it first; the signatures it cannot
+        produce itself, and it can only leave some out."""
+        cert = self.certificate
+        if cert is None:
+            return self.state_hash
+        body = cert.statement.body()
+        members = set(cert.statement.members)
+        valid = sorted(sig for signer, sig in cert.signatures.items()
+                       if signer in members and signed_by(signer, body, sig))
+        return hashlib.sha256("\n".join([self.state_hash, *valid]).encode()).hexdigest()
+
+    @classmethod
+    def of(cls, certificate: Certificate) -> Head:
+        s = certificate.statement
+        return cls(s.round, s.new_hash, s.work, certificate)
