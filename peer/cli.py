@@ -83,7 +83,7 @@ def run_peer(args: argparse.Namespace) -> int:
 
             summary = run_solo(replica, cfg, stop=stop)
         else:
-            from swarmloco.peer.swarm_runner import IncompatibleSwarm, run_swarm_peer
+            from swarmloco.peer.swarm_sync import IncompatibleSwarm, run_swarm_peer
             from swarmloco.peer.tickets import AdmissionSetupError
 
             try:

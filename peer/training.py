@@ -1,7 +1,7 @@
 """One training loop for every mode: inner steps until the round's budget is spent, then a sync strategy ends it.
 
 Solo training (M = 1 DiLoCo) ends a round by applying the peer's own pseudo-gradient (`swarmloco.peer.solo`); a swarm
-peer by averaging it with other peers' (`swarmloco.peer.swarm_runner`). Everything else lives here once: the budget and
+peer by averaging it with other peers' (`swarmloco.peer.swarm_sync`). Everything else lives here once: the budget and
 the stop conditions, the slowdown used to emulate slower hardware, evaluation and checkpoints after a round, the final
 checkpoint and the run summary.
 """

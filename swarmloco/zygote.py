@@ -27,7 +27,7 @@ from typing import IO, Any
 
 # What a peer imports anyway, plus what its first optimizer step imports lazily (torch._dynamo and sympy).
 PRELOAD = ("torch", "torch._dynamo", "hivemind", "uvloop", "swarmloco.cli", "swarmloco.peer.cli",
-           "swarmloco.peer.swarm_runner", "swarmloco.peer.solo", "swarmloco.protocol.network.node")
+           "swarmloco.peer.swarm_sync", "swarmloco.peer.solo", "swarmloco.protocol.network.node")
 
 
 class ForkedPeer:

@@ -12,7 +12,7 @@ import pytest
 from _coordinator_helpers import kill, make_identities, round_body, spawn_coordinator
 from _ticket_helpers import admit_all, certificate, certified_round_body
 
-from swarmloco.peer.reporting import Reporter, ReporterConfig
+from swarmloco.peer.report_sender import ReportSender, ReportSenderConfig
 from swarmloco.protocol.trust.reports import Report
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.integration]
@@ -32,9 +32,9 @@ def test_sigkill_mid_stream_loses_nothing_acknowledged(tmp_path: Path) -> None:
         with lock:
             acked[report.nonce] = status
 
-    config = ReporterConfig(backoff_initial_s=0.05, backoff_max_s=0.5, heartbeat_interval_s=0,
+    config = ReportSenderConfig(backoff_initial_s=0.05, backoff_max_s=0.5, heartbeat_interval_s=0,
                             connect_timeout_s=1.0, read_timeout_s=2.0)
-    reporters = [Reporter(info["url"], i, "durable", config=config, on_result=on_result).start() for i in ids]
+    reporters = [ReportSender(info["url"], i, "durable", config=config, on_result=on_result).start() for i in ids]
     members = [i.peer_id for i in ids]
     certs = {r: certificate(ids, tickets, run_id="durable", round=r) for r in range(1, REPORTS_PER_PEER // 10 + 1)}
     rounds_sent = [0] * PEERS

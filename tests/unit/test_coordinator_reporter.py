@@ -12,13 +12,13 @@ import pytest
 from _coordinator_helpers import make_identities, round_body, start_server
 from _ticket_helpers import admit, certificate
 
-from swarmloco.peer.reporting import Reporter, ReporterConfig
+from swarmloco.peer.report_sender import ReportSender, ReportSenderConfig
 from swarmloco.protocol.trust.identity import Identity
 from swarmloco.protocol.trust.reports import Report
 
 pytestmark = pytest.mark.timeout(60)
 
-FAST = ReporterConfig(backoff_initial_s=0.05, backoff_max_s=0.3, heartbeat_interval_s=0, connect_timeout_s=1.0,
+FAST = ReportSenderConfig(backoff_initial_s=0.05, backoff_max_s=0.3, heartbeat_interval_s=0, connect_timeout_s=1.0,
                       read_timeout_s=1.0)
 
 
@@ -27,7 +27,7 @@ def ids(tmp_path_factory: pytest.TempPathFactory) -> list[Identity]:
     return make_identities(tmp_path_factory.mktemp("ids"), 2)
 
 
-def _metrics(reporter: Reporter, n: int, start: int = 0) -> float:
+def _metrics(reporter: ReportSender, n: int, start: int = 0) -> float:
     """Submit n metrics reports; returns the slowest call's duration."""
     worst = 0.0
     for step in range(start, start + n):
@@ -42,7 +42,7 @@ def test_delivers_everything_in_order(tmp_path: Path, ids: list[Identity]) -> No
     ticket = admit(server, ids[0], "r")
     cert = certificate([ids[0]], {ids[0].peer_id: ticket.to_bytes().decode()}, run_id="r", round=1)
     acked: list[tuple[Report, int]] = []
-    reporter = Reporter(server.url, ids[0], "r", config=FAST, on_result=lambda r, s: acked.append((r, s))).start()
+    reporter = ReportSender(server.url, ids[0], "r", config=FAST, on_result=lambda r, s: acked.append((r, s))).start()
     try:
         reporter.hello(version="1", device="cpu", memory_bytes=1, tokens_per_s=5.0)
         _metrics(reporter, 20)
@@ -63,7 +63,7 @@ def test_delivers_everything_in_order(tmp_path: Path, ids: list[Identity]) -> No
 
 
 def test_invalid_input_is_dropped_not_raised(tmp_path: Path, ids: list[Identity]) -> None:
-    reporter = Reporter("http://127.0.0.1:9", ids[0], "r", config=FAST)
+    reporter = ReportSender("http://127.0.0.1:9", ids[0], "r", config=FAST)
     assert not reporter.report_round(round=-1, members=[], tokens=[], state_hash=None, train_s=0, wait_s=0,
                                      average_s=0, outcome="bogus")
     assert reporter.stats.dropped == 1 and reporter.stats.pending == 0
@@ -75,7 +75,7 @@ def test_coordinator_down_then_up(tmp_path: Path, ids: list[Identity]) -> None:
     admit(server, ids[0], "r")  # the ticket is in the database: it still holds after the restart
     port = server.port
     server.stop()  # down before the peer even starts
-    reporter = Reporter(f"http://127.0.0.1:{port}", ids[0], "r", config=FAST).start()
+    reporter = ReportSender(f"http://127.0.0.1:{port}", ids[0], "r", config=FAST).start()
     try:
         worst = _metrics(reporter, 200)
         # a blocking call would take at least the 1 s connect timeout; the margin absorbs a loaded 2-core box
@@ -117,7 +117,7 @@ def slow_server() -> Iterator[str]:
 
 
 def test_slow_coordinator_never_blocks_and_close_respects_timeout(slow_server: str, ids: list[Identity]) -> None:
-    reporter = Reporter(slow_server, ids[0], "r", config=FAST).start()
+    reporter = ReportSender(slow_server, ids[0], "r", config=FAST).start()
     time.sleep(0.1)
     worst = _metrics(reporter, 100)
     assert worst < 0.5, f"a report call took {worst:.3f}s while the coordinator answers after 3 s"
@@ -128,8 +128,8 @@ def test_slow_coordinator_never_blocks_and_close_respects_timeout(slow_server: s
 
 
 def test_bounded_buffer_drops_metrics_first(ids: list[Identity]) -> None:
-    config = ReporterConfig(buffer_size=10, heartbeat_interval_s=0)
-    reporter = Reporter("http://127.0.0.1:9", ids[0], "r", config=config)  # never started: nothing is sent
+    config = ReportSenderConfig(buffer_size=10, heartbeat_interval_s=0)
+    reporter = ReportSender("http://127.0.0.1:9", ids[0], "r", config=config)  # never started: nothing is sent
     members = [ids[0].peer_id]
     for rnd in range(3):
         assert reporter.report_round(**round_body(rnd, members))

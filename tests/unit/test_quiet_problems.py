@@ -13,8 +13,8 @@ import pytest
 from swarmloco.peer.config import PeerConfig, RunConfig
 from swarmloco.peer.preflight import set_aside_checkpoint
 from swarmloco.peer.progress import Progress
-from swarmloco.peer.reporting import Reporter, ReporterConfig
-from swarmloco.peer.swarm_report import SwarmReports
+from swarmloco.peer.report_sender import ReportSender, ReportSenderConfig
+from swarmloco.peer.round_reports import RoundReports
 from swarmloco.protocol.trust.identity import load_or_create_identity
 from swarmloco.swarm import Swarm
 
@@ -23,9 +23,9 @@ ID = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
 
 def test_unreachable_coordinator_is_said_at_the_first_failure(tmp_path: Path,
                                                               caplog: pytest.LogCaptureFixture) -> None:
-    reporter = Reporter("http://127.0.0.1:9", load_or_create_identity(tmp_path / "id.key"), "run",
-                        config=ReporterConfig(backoff_initial_s=0.01, backoff_max_s=0.02, heartbeat_interval_s=0))
-    with caplog.at_level(logging.WARNING, logger="swarmloco.peer.reporting"):
+    reporter = ReportSender("http://127.0.0.1:9", load_or_create_identity(tmp_path / "id.key"), "run",
+                        config=ReportSenderConfig(backoff_initial_s=0.01, backoff_max_s=0.02, heartbeat_interval_s=0))
+    with caplog.at_level(logging.WARNING, logger="swarmloco.peer.report_sender"):
         reporter.start()
         reporter.heartbeat(round=1)
         deadline = time.monotonic() + 10
@@ -49,7 +49,7 @@ def test_text_round_line_is_short_and_the_json_line_complete() -> None:
 
 
 def test_a_round_without_a_group_is_not_reported(caplog: pytest.LogCaptureFixture) -> None:
-    reports = SwarmReports.__new__(SwarmReports)
+    reports = RoundReports.__new__(RoundReports)
 
     class Recorder:
         calls: list[dict[str, object]] = []

@@ -22,8 +22,8 @@ import torch
 from swarmloco.peer.config import PeerConfig
 from swarmloco.peer.progress import round_float
 from swarmloco.peer.replica import Replica
+from swarmloco.peer.round_reports import RoundReports
 from swarmloco.peer.signals import StopFlag
-from swarmloco.peer.swarm_report import SwarmReports
 from swarmloco.peer.swarm_state import (
     all_finite,
     flatten,
@@ -72,7 +72,7 @@ class SwarmSync:
                                    cfg.run.coordinator)
         self.net = replace(cfg.network, identity=identity)
         self.node = SwarmNode(self.net, credentials=self.admission.credentials, gate=self.admission.gate)
-        self.reports = SwarmReports(cfg.run.coordinator, identity, self.net.run_id)
+        self.reports = RoundReports(cfg.run.coordinator, identity, self.net.run_id)
         self.staleness = self.resyncs = self.bytes_sent = self.bytes_received = 0
         self.state_hash = ""
         self.head: Head | None = None

@@ -21,7 +21,7 @@ def _certificate_text(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-class SwarmReports:
+class RoundReports:
     def __init__(
         self, url: str | None, identity_path: str | None, run_id: str, *, metrics_interval_s: float = 5.0
     ) -> None:
@@ -30,10 +30,10 @@ class SwarmReports:
         self._last_metrics = 0.0
         if not url or not identity_path:
             return
-        from swarmloco.peer.reporting import Reporter
+        from swarmloco.peer.report_sender import ReportSender
         from swarmloco.protocol.trust.identity import load_or_create_identity
 
-        self.reporter = Reporter(url, load_or_create_identity(identity_path), run_id).start()
+        self.reporter = ReportSender(url, load_or_create_identity(identity_path), run_id).start()
 
     def hello(self, replica: Replica, *, tokens_per_s: float = 0.0) -> None:
         """Hardware and version; sent at start (throughput unknown yet) and again once throughput is measured."""

@@ -29,7 +29,7 @@ import requests
 from swarmloco.protocol.trust.identity import Identity
 from swarmloco.protocol.trust.reports import Report, ReportError, build_report
 
-__all__ = ["Reporter", "ReporterConfig", "ReporterStats"]
+__all__ = ["ReportSender", "ReportSenderConfig", "ReportSenderStats"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ _RETRYABLE_4XX = frozenset({408, 425, 429})
 
 
 @dataclass(frozen=True, kw_only=True)
-class ReporterConfig:
+class ReportSenderConfig:
     """Buffering, timeouts and back-off of the reporting client."""
 
     buffer_size: int = 10_000
@@ -64,7 +64,7 @@ class ReporterConfig:
 
 
 @dataclass(kw_only=True)
-class ReporterStats:
+class ReportSenderStats:
     """Counters of what happened to reports so far."""
 
     queued: int = 0
@@ -79,22 +79,22 @@ def _finite_or_none(x: float | None) -> float | None:
     return None if x is None or not math.isfinite(x) else float(x)
 
 
-class Reporter:
+class ReportSender:
     """Background reporting client; see the module docstring for guarantees.
 
     :param on_result: optional callback ``(report, http_status)`` run on the sender thread for every final answer
     """
 
     def __init__(self, coordinator_url: str, identity: Identity, run_id: str, *,
-                 config: ReporterConfig | None = None,
+                 config: ReportSenderConfig | None = None,
                  on_result: Callable[[Report, int], None] | None = None) -> None:
         self.url = coordinator_url.rstrip("/") + "/api/reports"
         self.identity, self.run_id = identity, run_id
-        self.config = config or ReporterConfig()
+        self.config = config or ReportSenderConfig()
         self.on_result = on_result
         self._queue: collections.deque[Report] = collections.deque()
         self._cond = threading.Condition()
-        self._stats = ReporterStats()
+        self._stats = ReportSenderStats()
         self._closing = False
         self._abort = False
         self._retry_now = False  # set by close(): one immediate attempt, skipping any back-off in progress
@@ -105,7 +105,7 @@ class Reporter:
 
     # -- public API (never blocks) ---------------------------------------------------------------------------
 
-    def start(self) -> Reporter:
+    def start(self) -> ReportSender:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="swarmloco-reporter", daemon=True)
             self._thread.start()
@@ -147,9 +147,9 @@ class Reporter:
         return self._submit("round", body)
 
     @property
-    def stats(self) -> ReporterStats:
+    def stats(self) -> ReportSenderStats:
         with self._cond:
-            return ReporterStats(**{**self._stats.__dict__, "pending": len(self._queue)})
+            return ReportSenderStats(**{**self._stats.__dict__, "pending": len(self._queue)})
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until the queue is empty (True) or ``timeout`` passes (False)."""
