@@ -244,7 +244,7 @@ class SwarmSync:
         peek, self._peek = self._peek, None
         try:
             records, target = peek.result()
-        except Exception as exc:  # noqa: BLE001 - a failed look only means: train on, look again
+        except Exception as exc:  # a failed look only means: train on, look again
             logger.debug("looking at the swarm failed: %r", exc)
             return False
         return group_forming(records, self.replica.round, self.state_hash) or target is not None
@@ -392,7 +392,7 @@ class SwarmSync:
         if self.node.p2p is not None and getattr(self, "averager", None) is not None:
             try:
                 self.averager.close()
-            except Exception as exc:  # noqa: BLE001 - best effort on the way out
+            except Exception as exc:  # best effort on the way out
                 logger.debug("closing the data plane: %r", exc)
         self.node.shutdown()
 

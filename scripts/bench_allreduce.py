@@ -72,7 +72,7 @@ def gloo_worker(rank: int, world: int, port: int, numel: int, reps: int, out: An
                 times.append(elapsed)
         out.put(("ok", rank, times))
         dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 -- reported to the parent, which fails the benchmark with it
+    except Exception:  # reported to the parent, which fails the benchmark with it
         out.put(("error", rank, traceback.format_exc(limit=-4)))
 
 
@@ -121,7 +121,7 @@ def hivemind_worker(rank: int, world: int, numel: int, reps: int, peers_q: Any, 
                 times.append(end - start)
                 steps.append(end - step_start)
         out.put(("ok", rank, (times, steps)))
-    except Exception:  # noqa: BLE001 -- reported to the parent, which fails the benchmark with it
+    except Exception:  # reported to the parent, which fails the benchmark with it
         out.put(("error", rank, traceback.format_exc(limit=-4)))
     finally:
         if averager is not None:
@@ -193,7 +193,7 @@ def _attempt(what: str, fn: Callable[[], Any], *, tries: int = 1) -> tuple[Any, 
     for _ in range(tries):
         try:
             value = fn()
-        except Exception as exc:  # noqa: BLE001 - reported in the table
+        except Exception as exc:  # reported in the table
             logger.warning("%s failed (try %d of %d): %r", what, len(failures) + 1, tries, exc)
             failures.append(str(exc)[-300:])  # a worker's traceback ends with the error itself
             continue

@@ -168,7 +168,7 @@ def _allreduce_worker(index: int, peers: int, numel: int, reps: int, codec: str,
             })
         out.put({"index": index, "results": results, "error": None,
                  "encoded_bytes": averager.steps.codec.encoded_size(numel)})
-    except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the measurement
+    except Exception as exc:  # reported to the parent, which fails the measurement
         out.put({"index": index, "results": [], "error": f"peer {index}: {exc!r} at {_where(exc)}"})
     finally:
         if node is not None:

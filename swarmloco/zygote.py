@@ -153,7 +153,7 @@ def _child(request: dict[str, Any]) -> None:
         rc = main(args)
     except SystemExit as exc:
         rc = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:  # noqa: BLE001 - whatever kills the peer is written to its stderr log
+    except BaseException:  # whatever kills the peer is written to its stderr log
         traceback.print_exc()
     finally:
         try:

@@ -158,7 +158,7 @@ class Swarm:
             if p.proc is not None and p.proc.poll() is None:
                 try:
                     p.proc.wait(max(0.1, deadline - time.monotonic()))
-                except Exception:  # noqa: BLE001 - reported through the return codes below
+                except Exception:  # reported through the return codes below
                     pass
         return {name: (p.proc.poll() if p.proc else None) for name, p in self.peers.items()}
 
@@ -182,7 +182,7 @@ class Swarm:
             if p.proc is not None:
                 try:
                     p.proc.wait(max(0.1, deadline - time.monotonic()))
-                except Exception:  # noqa: BLE001
+                except Exception:
                     pass
             p.kill_group(signal.SIGKILL)
         self.dht.shutdown()

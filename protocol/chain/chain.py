@@ -131,7 +131,7 @@ class Chain:
                 logger.warning("not adopting round %d %s… claimed by %s: %s", claim.round, claim.state_hash[:12],
                                peer[-8:], exc)
                 continue
-            except Exception as exc:  # noqa: BLE001 - unreachable or too slow: ask again soon
+            except Exception as exc:  # unreachable or too slow: ask again soon
                 self._distrust[peer] = now + UNREACHABLE_S
                 logger.info("no certificate for round %d from %s: %r", claim.round, peer[-8:], exc)
                 continue

@@ -222,7 +222,7 @@ class Transfer:
         try:
             reader, writer = await self.node.open_stream(donor, state_handler(self.node.run_id),
                                                          timeout=self.cfg.control_timeout_s)
-        except Exception as exc:  # noqa: BLE001 - e.g. p2pd cannot reach the donor
+        except Exception as exc:  # e.g. p2pd cannot reach the donor
             self._fail(donor, f"unreachable: {exc!r}")
             return
         channel: Channel | None = None

@@ -143,7 +143,7 @@ class SwarmNode:
             for name in self._handlers:
                 try:
                     await asyncio.wait_for(self.p2p.remove_binary_stream_handler(name), 5)
-                except Exception as exc:  # noqa: BLE001 - best effort while shutting down
+                except Exception as exc:  # best effort while shutting down
                     logger.debug("removing handler %s: %r", name, exc)
             await self.p2p.shutdown()
         if isinstance(self.dht, LocalDHT):
@@ -232,7 +232,7 @@ class SwarmNode:
                     peers_key(self.net.run_id), value, expiration, subkey=self.peer_id, return_future=True
                 ).result(timeout=self.net.record_ttl_s),
             )
-        except Exception as exc:  # noqa: BLE001 - the DHT may be briefly unreachable; the heartbeat retries
+        except Exception as exc:  # the DHT may be briefly unreachable; the heartbeat retries
             stored = False
             logger.debug("storing our DHT record: %r", exc)
         if stored:
@@ -263,7 +263,7 @@ class SwarmNode:
         try:
             found = await loop.run_in_executor(None, lambda: dht.get(
                 revocations_key(self.net.run_id), latest=True, return_future=True).result(timeout=10))
-        except Exception as exc:  # noqa: BLE001 - looked up again on the next heartbeat
+        except Exception as exc:  # looked up again on the next heartbeat
             logger.debug("reading revocations: %r", exc)
             return
         item = found.value.get(authority) if found is not None and isinstance(found.value, dict) else None

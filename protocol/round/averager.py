@@ -179,7 +179,7 @@ class Averager:
                 bytes_sent=reduced.sent, bytes_received=reduced.received, direct=reduced.direct,
                 pipes=len(reduced.pipes), certify_s=time.monotonic() - certify_started, certificate=certificate,
                 audit_s=reduced.audit_s)
-        except Exception as exc:  # noqa: BLE001 - whatever ends the round early, nothing uncertified is kept
+        except Exception as exc:  # whatever ends the round early, nothing uncertified is kept
             if not isinstance(exc, (RoundAborted, concurrent.futures.TimeoutError, TimeoutError)):
                 logger.exception("round %d failed unexpectedly; discarding it", group.round)
             reason = str(exc) or f"{type(exc).__name__} after {time.monotonic() - started:.1f}s"

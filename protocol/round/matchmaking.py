@@ -260,7 +260,7 @@ class Matchmaker:
         d = self.deadlines
         try:
             reader, writer = await self.transport.open_stream(leader, self.handler_name, timeout=d.control)
-        except Exception as exc:  # noqa: BLE001 - whatever keeps us from a leader means: try another
+        except Exception as exc:  # whatever keeps us from a leader means: try another
             logger.info("round %d: cannot reach leader %s: %r", attempt.round, leader[-8:], exc)
             return _SKIP_UNREACHABLE_S
         link = Link(leader, reader, writer)

@@ -182,7 +182,7 @@ class ShardRouter:
                 return Pipe(peer, conn=conn)
         try:
             reader, writer = await self.transport.open_stream(peer, self.handler_name, timeout=timeout)
-        except Exception as exc:  # noqa: BLE001 - whatever keeps us from a member means: no pipe to it
+        except Exception as exc:  # whatever keeps us from a member means: no pipe to it
             raise WireError(f"cannot reach {peer[-8:]}: {exc!r}") from exc
         pipe = Pipe(peer, reader=reader, writer=writer)
         try:

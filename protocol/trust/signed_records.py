@@ -90,7 +90,7 @@ class RunValidator(RecordValidatorBase):
         try:
             subkey = MSGPackSerializer.loads(record.subkey) if record.subkey else None
             value = MSGPackSerializer.loads(record.value)
-        except Exception:  # noqa: BLE001 - undecodable bytes from a stranger are simply invalid
+        except Exception:  # undecodable bytes from a stranger are simply invalid
             return False
         if not isinstance(subkey, str) or len(subkey) > 128:
             return False

@@ -136,7 +136,7 @@ def test_hostile_peers_cannot_move_the_swarm(swarm: Swarm) -> None:
             while not stop_following.wait(0.5):
                 try:
                     records = claimer.call(claimer.fetch_records(timeout=5), timeout=10)
-                except Exception:  # noqa: BLE001 - the next look retries
+                except Exception:  # the next look retries
                     continue
                 honest = [r for r in records.values() if r.round < 1000 and r.leading < 9999]
                 if honest:

@@ -84,7 +84,7 @@ async def _trickle(joiner: FakeTransport, donor: FakeTransport, stop: asyncio.Ev
     while not stop.is_set():
         try:
             reader, writer = await joiner.open_stream(donor.peer_id, state_handler(joiner.run_id), timeout=2)
-        except Exception:  # noqa: BLE001 - the donor is gone: the scenario is over
+        except Exception:  # the donor is gone: the scenario is over
             return
         conn = None
         try:
