@@ -21,6 +21,7 @@ from typing import Any
 from swarmloco.coordinator.limits import RateLimiter
 from swarmloco.coordinator.store import Store
 from swarmloco.coordinator.store_authority import IssuedTicket
+from swarmloco.protocol.base.text import bounded
 from swarmloco.protocol.trust.admission import AdmissionPolicy, Gate, Revocations, Ticket
 from swarmloco.protocol.trust.identity import Identity
 from swarmloco.protocol.trust.ticket_request import MAX_AGE_S, MAX_AHEAD_S, TicketRequestError, parse_ticket_request
@@ -65,8 +66,8 @@ def valid_unicode(value: Any) -> bool:
 def bad_input(what: str, client: str, error: Exception) -> Answer:
     """A 400 for input a parser choked on, with one log line (no traceback: the sender is at fault)."""
     logger.warning("refused a %s from %s that the parser did not expect: %s: %s", what, client[:64],
-                   type(error).__name__, str(error)[:200])
-    return _refuse(400, f"malformed {what} ({type(error).__name__}: {str(error)[:200]})")
+                   type(error).__name__, bounded(str(error), 200))
+    return _refuse(400, f"malformed {what} ({type(error).__name__}: {bounded(str(error), 200)})")
 
 
 @dataclass(frozen=True, kw_only=True)

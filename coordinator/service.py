@@ -35,6 +35,7 @@ from swarmloco.coordinator.authority import (
 )
 from swarmloco.coordinator.limits import RateLimiter
 from swarmloco.coordinator.store import Page, Store
+from swarmloco.protocol.base.text import bounded, short_hash
 from swarmloco.protocol.trust.certificates import Certificate
 from swarmloco.protocol.trust.identity import Identity
 from swarmloco.protocol.trust.reports import MAX_REPORT_BYTES, Report, ReportError, content_hash, parse_report
@@ -161,12 +162,12 @@ class CoordinatorService:
             # quorum 1: the certificate's own majority rule (need(swarm, quorum)) makes it the swarm's state
             problem = certificate.problem(run_id=report.run_id, gate=gate, quorum=1)
         except HOSTILE_INPUT_ERRORS as e:  # hostile JSON: wrong types, deep nesting, huge integers
-            return None, f"malformed commit certificate: {type(e).__name__}: {str(e)[:200]}"
+            return None, f"malformed commit certificate: {type(e).__name__}: {bounded(str(e), 200)}"
         if problem:
             return None, f"invalid commit certificate: {problem}"
         s = certificate.statement
         if s.round != b["round"] or s.new_hash != b["state_hash"]:
-            return None, (f"the certificate is for round {s.round} {s.new_hash[:12]}, the report for round "
+            return None, (f"the certificate is for round {s.round} {short_hash(s.new_hash)}, the report for round "
                           f"{b['round']} {(b['state_hash'] or '')[:12]}")
         if report.peer_id not in s.members:
             return None, "the reporting peer is not a member of the certified round"

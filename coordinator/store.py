@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from swarmloco.coordinator.migrations import MIGRATIONS
 from swarmloco.coordinator.store_authority import AuthorityTables, IssuedTicket
 from swarmloco.coordinator.store_listings import Listings, Page
+from swarmloco.protocol.base.text import bounded
 from swarmloco.protocol.trust.certificates import Certificate
 from swarmloco.protocol.trust.reports import Report
 
@@ -109,7 +110,7 @@ class SQLiteStore(AuthorityTables, Listings):
             self._conn.execute("PRAGMA foreign_keys=ON")
             result = self.integrity_check()
             if result != "ok":
-                raise StoreError(f"database {self.path} failed PRAGMA integrity_check: {result[:500]}; "
+                raise StoreError(f"database {self.path} failed PRAGMA integrity_check: {bounded(result, 500)}; "
                                  f"restore a backup or start with a new --db file")
             self._migrate()
         except sqlite3.Error as e:

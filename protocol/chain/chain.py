@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 
 from swarmloco.protocol.base.records import PeerRecord
+from swarmloco.protocol.base.text import short_hash, short_id
 from swarmloco.protocol.chain.forks import Behind, StateClaim, active_past_genesis, better_claims, outranks
 from swarmloco.protocol.chain.state_sync import StateSyncError, fetch_certificate
 from swarmloco.protocol.network.transport import Transport
@@ -105,7 +106,7 @@ class Chain:
         active = active_past_genesis(self._not_liars(records))
         if not supports(verdict.statement, active):
             logger.info("round %d %s…: its certificate speaks for %d peers, we see %d past genesis; not adopting",
-                        claim.round, claim.state_hash[:12], verdict.statement.swarm, active)
+                        claim.round, short_hash(claim.state_hash), verdict.statement.swarm, active)
             return None
         donors = [p for p in claim.donors if p != self.transport.peer_id]
         if not donors:
@@ -128,12 +129,12 @@ class Chain:
                                                ticket=self.credentials.ticket, timeout=self.control_timeout)
             except StateSyncError as exc:  # it answered, but with no certificate for what it claims: a lie
                 self._distrust[peer] = self._liars[peer] = now + DISTRUST_S
-                logger.warning("not adopting round %d %s… claimed by %s: %s", claim.round, claim.state_hash[:12],
-                               peer[-8:], exc)
+                logger.warning("not adopting round %d %s… claimed by %s: %s", claim.round, short_hash(claim.state_hash),
+                               short_id(peer), exc)
                 continue
             except Exception as exc:  # unreachable or too slow: ask again soon
                 self._distrust[peer] = now + UNREACHABLE_S
-                logger.info("no certificate for round %d from %s: %r", claim.round, peer[-8:], exc)
+                logger.info("no certificate for round %d from %s: %r", claim.round, short_id(peer), exc)
                 continue
             s = cert.statement
             problem = self.verify(cert)
@@ -144,8 +145,8 @@ class Chain:
                 self._remember((s.round, s.new_hash), cert)
                 return cert, peer
             self._distrust[peer] = self._liars[peer] = now + DISTRUST_S
-            logger.warning("not adopting round %d %s… claimed by %s: %s", claim.round, claim.state_hash[:12],
-                           peer[-8:], problem)
+            logger.warning("not adopting round %d %s… claimed by %s: %s", claim.round, short_hash(claim.state_hash),
+                           short_id(peer), problem)
         return None, ""
 
     def _remember(self, key: tuple[int, str], verdict: Certificate) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
 from swarmloco.protocol.base.hashing import LEAF_BYTES, StateLayout, known_leaves, leaf_digests
 from swarmloco.protocol.base.hooks import Hooks
+from swarmloco.protocol.base.text import short_id
 from swarmloco.protocol.base.wire import WireError, close_writer, read_frame, write_frame
 from swarmloco.protocol.chain.state_transfer import (
     Channel,
@@ -262,5 +263,5 @@ async def download_state(
         blob = await asyncio.wait_for(transfer.run(donors), timeout)
     except TimeoutError:
         raise StateSyncError(f"state download of round {round_number} timed out after {timeout:.0f}s "
-                             f"(failures: {[d[-8:] for d in transfer.bad]})") from None
+                             f"(failures: {[short_id(d) for d in transfer.bad]})") from None
     return blob, transfer.bad

@@ -29,6 +29,7 @@ from google.protobuf.message import Message
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
 from swarmloco.protocol.base.hashing import DIGEST_BYTES, LEAF_BYTES, StateLayout, remember_leaves
 from swarmloco.protocol.base.records import PROTOCOL_VERSION
+from swarmloco.protocol.base.text import bounded, short_id
 from swarmloco.protocol.base.wire import WireError, close_writer, read_frame, write_frame
 from swarmloco.protocol.network.data_hello import signer_of
 from swarmloco.protocol.network.data_plane import connect
@@ -215,8 +216,8 @@ class Transfer:
         if donor in self.bad:
             return
         self.bad.append(donor)
-        (logger.warning if lied else logger.info)("state donor %s %s: %s", donor[-8:], "lied" if lied else "failed",
-                                                  why)
+        log = logger.warning if lied else logger.info
+        log("state donor %s %s: %s", short_id(donor), "lied" if lied else "failed", why)
 
     async def _donor(self, donor: str) -> None:
         try:
@@ -255,7 +256,7 @@ class Transfer:
         header, payload = await control.recv_frame(pb.StateHeader, max_payload=self.layout.leaves * DIGEST_BYTES,
                                                    timeout=timeout)
         if not header.ok:
-            raise (_Busy if header.busy else StateSyncError)(f"donor refused: {header.message[:200]}")
+            raise (_Busy if header.busy else StateSyncError)(f"donor refused: {bounded(header.message, 200)}")
         if header.round != self.round_number or header.state_hash != self.state_hash:
             raise StateSyncError(f"donor now serves round {header.round}, wanted {self.round_number}")
         if header.total_bytes != self.layout.total_bytes or header.leaf_bytes != LEAF_BYTES:

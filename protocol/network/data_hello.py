@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
+from swarmloco.protocol.base.text import short_id
 from swarmloco.protocol.base.wire import HEADER_LEN, PAYLOAD_LEN, WireError, parse_header
 from swarmloco.protocol.trust.identity import Identity, verify
 
@@ -87,7 +88,7 @@ def hello_problem(hello: pb.DataHello, *, me: str = "", run_id: str = "", sender
     if not hello.sender or not hello.signature:
         return "unsigned hello"
     if sender and hello.sender != sender:
-        return f"hello from {hello.sender[-8:]}, expected {sender[-8:]}"
+        return f"hello from {short_id(hello.sender)}, expected {short_id(sender)}"
     if me and hello.receiver != me:
         return "hello addressed to another peer"
     if run_id and hello.run_id != run_id:

@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 from google.protobuf.message import Message
 
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
+from swarmloco.protocol.base.text import short_id
 from swarmloco.protocol.base.wire import (
     HEADER_LEN,
     PAYLOAD_LEN,
@@ -259,7 +260,7 @@ class DataPlane:
                           freshness_s=self.limits.freshness_s) or route.replay.admit(bytes(hello.nonce)))
         if problem or route is None:
             self.refused += 1
-            logger.debug("data plane refused a hello from %s: %s", hello.sender[-8:], problem)
+            logger.debug("data plane refused a hello from %s: %s", short_id(hello.sender), problem)
             sock.close()
             return
         conn = DataConn(sock)

@@ -22,6 +22,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
 from swarmloco.protocol.base.records import PeerRecord, peers_key, revocations_key
+from swarmloco.protocol.base.text import short_id
 from swarmloco.protocol.network.data_plane import hosts_from_maddrs
 from swarmloco.protocol.network.dht_host import LocalDHT
 from swarmloco.protocol.network.transport import Stream, StreamHandler, run_on
@@ -301,7 +302,7 @@ class SwarmNode:
                 record = open_record(value, run_id=self.net.run_id, subkey=subkey, gate=self.gate,
                                      expiration=getattr(item, "expiration_time", None))
             except RecordError as exc:
-                logger.debug("ignoring the record under %s…: %s", subkey[:16], exc)
+                logger.debug("ignoring the record under …%s: %s", short_id(subkey), exc)
                 continue
             records[subkey] = record
             self._remember_verified(subkey, value, record)

@@ -88,6 +88,14 @@ def admit(
     return pb.JoinReply.ACCEPTED, ""
 
 
+@dataclass(frozen=True)
+class Declined:
+    """A join that did not get us into a group, and how long to leave that leader alone before asking it again."""
+
+    leader: str
+    retry_after_s: float
+
+
 @dataclass
 class Collecting:
     """A leader's open group: members that joined, and what their join handlers wait on."""

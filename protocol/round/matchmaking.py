@@ -23,13 +23,14 @@ import time
 
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
 from swarmloco.protocol.base.records import PROTOCOL_VERSION, PeerRecord
+from swarmloco.protocol.base.text import short_id
 from swarmloco.protocol.base.wire import WireError, close_writer, read_frame, write_frame
 from swarmloco.protocol.chain.chain import Chain
 from swarmloco.protocol.chain.forks import Behind
 from swarmloco.protocol.network.transport import Transport
 from swarmloco.protocol.round.config import Deadlines, LocalModel, RoundConfig
 from swarmloco.protocol.round.exchange import Link
-from swarmloco.protocol.round.groups import Attempt, Collecting, admit
+from swarmloco.protocol.round.groups import Attempt, Collecting, Declined, admit
 from swarmloco.protocol.round.groups import Group as Group  # re-exported: what matchmaking hands the exchange
 from swarmloco.protocol.round.groups import RoundAborted as RoundAborted
 from swarmloco.protocol.round.rules import active_peers, compatible, grace_over, leader_rank, pick_leader
@@ -79,7 +80,7 @@ class Matchmaker:
         self._stalled[leader] = time.monotonic() + STALL_SKIP_ROUNDS * self.cfg.round_timeout_s
         if held:
             self._held.add(leader)
-        logger.info("skipping leader %s for the next rounds: %s", leader[-8:], why)
+        logger.info("skipping leader %s for the next rounds: %s", short_id(leader), why)
 
     def _released_or_stalled(self, leader: str, round_number: int, exc: WireError) -> None:
         """A leader that took us in ended the join stream without closing its group. An honest leader releases its
@@ -139,7 +140,7 @@ class Matchmaker:
                 joined = await self._try_join(leader, attempt)
                 if isinstance(joined, Group):
                     return joined
-                attempt.skip[leader] = time.monotonic() + joined
+                attempt.skip[leader] = time.monotonic() + joined.retry_after_s
             raise RoundAborted(
                 f"no group of {need(attempt.swarm, self.cfg.quorum)} (a majority of {attempt.swarm} active peers) "
                 f"formed for round {round_number} within {self.cfg.round_timeout_s:.0f}s"
@@ -177,7 +178,7 @@ class Matchmaker:
         # in a row, so a record read mid-update does not dissolve a group.
         if not attempt.confirm_merge(leader):
             return self.transport.peer_id
-        logger.info("round %d: merging my %d member(s) into %s's group", attempt.round, members, leader[-8:])
+        logger.info("round %d: merging my %d member(s) into %s's group", attempt.round, members, short_id(leader))
         self._abandon()
         return leader
 
@@ -246,7 +247,7 @@ class Matchmaker:
                 await write_frame(link.writer, message, timeout=self.deadlines.control)
                 return True
             except WireError as exc:
-                logger.info("member %s unreachable at close: %r", link.peer[-8:], exc)
+                logger.info("member %s unreachable at close: %r", short_id(link.peer), exc)
                 return False
 
         reached = await asyncio.gather(*(notify(link) for link in links.values()))
@@ -255,14 +256,14 @@ class Matchmaker:
         return Group(round=collect.round, me=me, leader=me, members=[me, *alive], links=alive, release=collect.done,
                      swarm=swarm, tickets=tickets)
 
-    async def _try_join(self, leader: str, attempt: Attempt) -> Group | float:
-        """Join `leader`'s group; returns the closed group, or for how many seconds to skip this leader."""
+    async def _try_join(self, leader: str, attempt: Attempt) -> Group | Declined:
+        """Join `leader`'s group: the closed group, or why not (as how long to leave this leader alone)."""
         d = self.deadlines
         try:
             reader, writer = await self.transport.open_stream(leader, self.handler_name, timeout=d.control)
         except Exception as exc:  # whatever keeps us from a leader means: try another
-            logger.info("round %d: cannot reach leader %s: %r", attempt.round, leader[-8:], exc)
-            return _SKIP_UNREACHABLE_S
+            logger.info("round %d: cannot reach leader %s: %r", attempt.round, short_id(leader), exc)
+            return Declined(leader, _SKIP_UNREACHABLE_S)
         link = Link(leader, reader, writer)
         try:
             request = pb.JoinRequest(
@@ -277,18 +278,18 @@ class Matchmaker:
             await write_frame(writer, request, timeout=d.control)
             reply, _ = await read_frame(reader, pb.JoinReply, max_payload=0, timeout=d.control)
             if reply.status != pb.JoinReply.ACCEPTED:
-                logger.debug("round %d: %s turned us down: %s", attempt.round, leader[-8:], reply.message)
+                logger.debug("round %d: %s turned us down: %s", attempt.round, short_id(leader), reply.message)
                 if reply.status == pb.JoinReply.INCOMPATIBLE and reply.message not in self.refusals:
                     self.refusals.append(reply.message)
-                    logger.error("peer %s refused us: %s", leader[-8:], reply.message)
+                    logger.error("peer %s refused us: %s", short_id(leader), reply.message)
                 link.close()
-                return _SKIP_S.get(reply.status, _SKIP_OTHER_S)
+                return Declined(leader, _SKIP_S.get(reply.status, _SKIP_OTHER_S))
             refused = self.gate.check(reply.ticket, leader, role="trainer")
             if refused:
-                logger.warning("round %d: leader %s is not admitted (%s); not joining it", attempt.round, leader[-8:],
-                               refused)
+                logger.warning("round %d: leader %s is not admitted (%s); not joining it", attempt.round,
+                               short_id(leader), refused)
                 link.close()
-                return _SKIP_UNADMITTED_LEADER_S
+                return Declined(leader, _SKIP_UNADMITTED_LEADER_S)
             self.transport.update_record(leading=0)
             try:
                 closed, _ = await read_frame(
@@ -303,14 +304,14 @@ class Matchmaker:
                 or self.transport.peer_id not in closed.members
             ):
                 link.close()
-                return _SKIP_DROPPED_S
+                return Declined(leader, _SKIP_DROPPED_S)
             if len(closed.members) < need(max(closed.swarm, attempt.swarm), self.cfg.quorum):
                 # A group that is no majority of the swarm we see could never be certified (and two of them could
                 # both commit): a leader understating the swarm is not followed.
                 logger.info("round %d: %s closed %d of a claimed swarm of %d, we see %d active; not taking part",
-                            attempt.round, leader[-8:], len(closed.members), closed.swarm, attempt.swarm)
+                            attempt.round, short_id(leader), len(closed.members), closed.swarm, attempt.swarm)
                 link.close()
-                return _SKIP_DROPPED_S
+                return Declined(leader, _SKIP_DROPPED_S)
             self.transport.update_record(ready=False)
             return Group(
                 round=attempt.round,
@@ -321,9 +322,9 @@ class Matchmaker:
                 swarm=closed.swarm,
             )
         except WireError as exc:
-            logger.info("leader %s dropped us before the group closed: %r", leader[-8:], exc)
+            logger.info("leader %s dropped us before the group closed: %r", short_id(leader), exc)
             link.close()
-            return _SKIP_DROPPED_S
+            return Declined(leader, _SKIP_DROPPED_S)
 
     # --- serving join requests ------------------------------------------------------------------------------------
     async def _handle_join(self, caller: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -365,7 +366,7 @@ class Matchmaker:
                 # abandoned before closing has nothing in flight: close at once so the member moves on.
                 await asyncio.wait_for(_until_eof(reader), timeout=d.linger)
         except (TimeoutError, WireError, asyncio.CancelledError, ConnectionError) as exc:
-            logger.debug("join stream from %s ended: %r", caller[-8:], exc)
+            logger.debug("join stream from %s ended: %r", short_id(caller), exc)
             if collect is not None and not collect.closed and collect.members.get(caller) is link:
                 collect.members.pop(caller, None)  # the reply never got through: not a member after all
                 collect.changed.set()

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from swarmloco.protocol.base.text import short_id
 from swarmloco.protocol.trust.identity import Identity, verify
 
 __all__ = [
@@ -120,11 +121,11 @@ class Ticket:
         """Why this ticket does not admit `peer_id` to `run_id` now ("" when it does); `grace_s` accepts a ticket
         that expired that long ago (a signature made while it was valid)."""
         if self.authority != authority:
-            return f"ticket is signed by {self.authority[:16]}…, not by this run's authority {authority[:16]}…"
+            return f"ticket is signed by {short_id(self.authority)}, not by this run's authority {short_id(authority)}"
         if self.run_id != run_id:
             return f"ticket is for run {self.run_id!r}, not {run_id!r}"
         if peer_id is not None and self.peer_id != peer_id:
-            return f"ticket belongs to {self.peer_id[:16]}…, not to the sender {peer_id[:16]}…"
+            return f"ticket belongs to {short_id(self.peer_id)}, not to the sender {short_id(peer_id)}"
         if role is not None and self.role != role:
             return f"ticket grants role {self.role!r}, {role!r} needed"
         if self.role not in ROLES:

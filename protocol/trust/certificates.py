@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from swarmloco.protocol.base.text import short_id
 from swarmloco.protocol.trust.admission import Gate
 from swarmloco.protocol.trust.identity import Identity, verify
 
@@ -175,20 +176,20 @@ class Certificate:
         # signer then still agree on a certificate that has enough of the others.
         for signer, signature in self.signatures.items():
             if signer not in members:
-                refused.append(f"{signer[:16]}… is not a member")
+                refused.append(f"{short_id(signer)} is not a member")
                 continue
             # A signature made while its ticket was valid stays valid for a while: a peer resuming from a
             # checkpoint still proves its state. Revocation applies at once.
             not_admitted = gate.check(self.tickets.get(signer), signer, role="trainer", grace_s=SIGNER_GRACE_S)
             if not_admitted:
-                refused.append(f"{signer[:16]}… is not admitted: {not_admitted}")
+                refused.append(f"{short_id(signer)} is not admitted: {not_admitted}")
                 continue
             try:
                 raw = bytes.fromhex(signature)
             except ValueError:
                 raw = b""
             if not verify(signer, body, raw):
-                refused.append(f"signature of {signer[:16]}… is invalid")
+                refused.append(f"signature of {short_id(signer)} is invalid")
                 continue
             valid += 1
         wanted = need(s.swarm, quorum)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarmloco.protocol.base.outcome import Outcome
+from swarmloco.protocol.base.text import bounded
 from swarmloco.protocol.trust.identity import Identity, verify
 
 __all__ = [
@@ -318,7 +319,7 @@ def load_bounded_json(raw: bytes | str, *, max_bytes: int, what: str, error: typ
     except error:
         raise
     except (ValueError, RecursionError) as e:
-        raise error(f"{what} is not valid JSON: {str(e)[:200]}", 400) from None
+        raise error(f"{what} is not valid JSON: {bounded(str(e), 200)}", 400) from None
 
 
 def parse_report(raw: bytes | str, *, max_bytes: int = MAX_REPORT_BYTES) -> Report:

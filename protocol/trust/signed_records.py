@@ -21,6 +21,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from swarmloco.protocol.base.records import PeerRecord, peers_key, revocations_key
+from swarmloco.protocol.base.text import short_id
 from swarmloco.protocol.trust.admission import Gate, Revocations
 from swarmloco.protocol.trust.identity import Identity, verify
 
@@ -102,7 +103,7 @@ class RunValidator(RecordValidatorBase):
                 open_record(value, run_id=self.run_id, subkey=subkey, gate=Gate(self.run_id, self.authority),
                             expiration=record.expiration_time)
             except RecordError as exc:
-                logger.debug("refusing a record under %s…: %s", subkey[:16], exc)
+                logger.debug("refusing a record under …%s: %s", short_id(subkey), exc)
                 return False
             return True
         if record.key == self._revoked:
