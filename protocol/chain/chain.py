@@ -3,7 +3,7 @@
 A record that names a state is only a claim. Before a peer re-syncs to a claimed state, it fetches the state's
 commit certificate from a claimant and verifies it offline (signatures, tickets, majority), and checks that the
 certificate still speaks for the swarm it sees now (`swarmloco.protocol.trust.certificates.supports`). The fork choice
-between verified states is `swarmloco.protocol.round.rules.outranks` (most certified work), the same on every peer, so
+between verified states is `swarmloco.protocol.chain.forks.outranks` (most certified work), the same on every peer, so
 two chains that grew apart during a partition become one again once the peers see each other.
 
 Verified certificates are cached per (round, hash), and a claimant that failed to back its claim is not asked again

@@ -3,12 +3,12 @@
 Everything a peer decides about a round lives here, so that every peer decides it the same way and the rules are
 unit-tested without a network:
 - which peers may average together (`compatible`), and whom to gather around (`pick_leader`);
-- the leader order nobody controls (`leader_rank`), the swarm a group must be a majority of (`active_count`), and
-  which claimed states outrank ours (`better_claims`, the fork choice);
+- the leader order nobody controls (`leader_rank`) and the swarm a group must be a majority of (`active_count`);
 - how long a leader waits for peers that are about to be ready (`grace_over`);
 - which contributions are admissible (`check_contribution`), how much each weighs (`token_weights`) and their
-  weighted average (`weighted_average`);
-- every deadline of a round, derived from one config (`Deadlines`), and the words for how a round ended (`Outcome`).
+  weighted average (`weighted_average`).
+The round's configuration and deadlines are in `swarmloco.protocol.round.config`; the fork choice between certified
+states in `swarmloco.protocol.chain.forks`.
 """
 from __future__ import annotations
 
