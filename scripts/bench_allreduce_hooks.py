@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from scripts.bench_common import kill_processes
+from scripts.bench_nodes import HASH, bench_node, where
 
 CLONE_NEWNET = 0x40000000
 WAIT_S = 330.0  # any single blocking wait: outlives round_timeout_s (300), so a stall surfaces as its own error
@@ -100,7 +101,6 @@ def _allreduce_worker(index: int, peers: int, numel: int, reps: int, codec: str,
         _enter_netns(netns[0])
     import torch
 
-    from scripts.bench_hooks import HASH, _bench_node, _where
     from swarmloco.protocol.base.outcome import Outcome
     from swarmloco.protocol.base.records import PeerRecord
     from swarmloco.protocol.round.averager import Averager, Contribution
@@ -111,7 +111,7 @@ def _allreduce_worker(index: int, peers: int, numel: int, reps: int, codec: str,
     node = None
     try:
         bootstrap = [] if index == 0 else list(boot.get(timeout=WAIT_S))
-        node = _bench_node(index, "bench", bootstrap, host=netns[1] if netns else "127.0.0.1")
+        node = bench_node(index, "bench", bootstrap, host=netns[1] if netns else "127.0.0.1")
         if index == 0:
             for _ in range(peers - 1):
                 boot.put(node.visible_maddrs())
@@ -169,7 +169,7 @@ def _allreduce_worker(index: int, peers: int, numel: int, reps: int, codec: str,
         out.put({"index": index, "results": results, "error": None,
                  "encoded_bytes": averager.steps.codec.encoded_size(numel)})
     except Exception as exc:  # reported to the parent, which fails the measurement
-        out.put({"index": index, "results": [], "error": f"peer {index}: {exc!r} at {_where(exc)}"})
+        out.put({"index": index, "results": [], "error": f"peer {index}: {exc!r} at {where(exc)}"})
     finally:
         if node is not None:
             node.shutdown()

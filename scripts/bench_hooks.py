@@ -4,6 +4,8 @@
   re-exported here, where the harness looks hooks up by name).
 - join_seconds: donors serve a preset's θ+m; the joiner's chunk-verified download_state (scripts.bench_join_hooks).
 - utilisation: a real swarm of peer processes with per-peer slowdowns; compute vs wall time per peer.
+
+What the hook modules share (a benchmark SwarmNode, the benchmark chain's hash) lives in scripts.bench_nodes.
 """
 from __future__ import annotations
 
@@ -23,31 +25,6 @@ from scripts.bench_join_hooks import join_seconds
 __all__ = ["join_seconds", "measured_round_bytes", "ours_allreduce", "round_phases"]  # and the hooks below
 
 ROOT = Path(__file__).resolve().parents[1]
-HASH = "0" * 64
-
-
-def _where(exc: BaseException) -> str:
-    """The innermost frame of our own code an exception passed through (a bare TimeoutError() says nothing alone)."""
-    import traceback
-
-    frames = [
-        f for f in traceback.extract_tb(exc.__traceback__) if str(ROOT) in f.filename and ".venv" not in f.filename
-    ]
-    return f"{Path(frames[-1].filename).name}:{frames[-1].lineno} {frames[-1].line}" if frames else "?"
-
-
-def _bench_node(index: int, run_id: str, bootstrap: list[str], *, host: str = "127.0.0.1") -> Any:
-    """A started SwarmNode of a private benchmark swarm, with a throwaway identity of its own."""
-    from swarmloco.protocol.network.node import NetworkConfig, SwarmNode
-    from swarmloco.protocol.trust.admission import Credentials, Gate
-    from swarmloco.protocol.trust.identity import load_or_create_identity
-
-    path = Path(tempfile.mkdtemp(prefix="swarmloco-bench-")) / f"peer-{index}.key"
-    net = NetworkConfig(run_id=run_id, initial_peers=tuple(bootstrap), host_maddrs=(f"/ip4/{host}/tcp/0",),
-                        heartbeat_s=0.5, identity=str(path))
-    node = SwarmNode(net, credentials=Credentials(load_or_create_identity(path)), gate=Gate(run_id, None))
-    node.start()
-    return node
 
 
 def utilisation(

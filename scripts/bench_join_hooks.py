@@ -11,6 +11,8 @@ import multiprocessing as mp
 import time
 from typing import Any
 
+from scripts.bench_nodes import bench_node
+
 logger = logging.getLogger(__name__)
 RUN_ID = "bench-join"
 
@@ -18,7 +20,6 @@ RUN_ID = "bench-join"
 def _join_donor(preset: str, bootstrap: list[str], out: Any, stop: Any) -> None:
     import torch
 
-    from scripts.bench_hooks import _bench_node
     from swarmloco.peer.model import GPT, PRESETS
     from swarmloco.protocol.base.hashing import pack_state, state_hash
     from swarmloco.protocol.chain.state_sync import ServedState, StateServer
@@ -30,7 +31,7 @@ def _join_donor(preset: str, bootstrap: list[str], out: Any, stop: Any) -> None:
     momentum = {n: torch.full_like(p, 0.5) for n, p in params.items()}
     root = state_hash(params, momentum)
     blob = pack_state(params, momentum, list(params))
-    node = _bench_node(0, RUN_ID, bootstrap)
+    node = bench_node(0, RUN_ID, bootstrap)
     plane = DataPlane(bind_host="127.0.0.1", advertise_hosts=["127.0.0.1"])
     try:
         node.call(plane.start(), timeout=30)
@@ -47,7 +48,6 @@ def _join_donor(preset: str, bootstrap: list[str], out: Any, stop: Any) -> None:
 
 def join_seconds(preset: str, donors: int) -> float:
     """Seconds from the joiner's first request to holding the donors' state, every chunk hash-verified."""
-    from scripts.bench_hooks import _bench_node
     from swarmloco.peer.model import GPT, PRESETS
     from swarmloco.protocol.base.hashing import state_layout
     from swarmloco.protocol.chain.state_sync import FetchConfig, download_state
@@ -64,7 +64,7 @@ def join_seconds(preset: str, donors: int) -> float:
         layout = state_layout(shapes, list(shapes))
         if layout.total_bytes != infos[0]["bytes"]:
             raise RuntimeError("donors serve a blob of another size than the model's layout")
-        node = _bench_node(99, RUN_ID, [m for i in infos for m in i["maddrs"]])
+        node = bench_node(99, RUN_ID, [m for i in infos for m in i["maddrs"]])
         started = time.perf_counter()
         blob, bad = node.call(
             download_state(node, donors=[i["peer_id"] for i in infos], round_number=1, state_hash=infos[0]["hash"],
