@@ -131,7 +131,7 @@ def start_coordinator(
     argv = [
         sys.executable,
         "-m",
-        "coordinator",
+        "swarmloco.coordinator",
         "--db",
         str(root / "coordinator.sqlite"),
         "--host",
