@@ -23,9 +23,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
+from google.protobuf.message import Message
 
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
 from swarmloco.protocol.base.codecs import Codec, CodecError
@@ -48,8 +51,10 @@ from swarmloco.protocol.trust.payloads import (
     verdict_body,
 )
 
+M = TypeVar("M", bound=Message)
 
-@dataclass
+
+@dataclass(frozen=True, kw_only=True)
 class AuditCase:
     """What one member brings to the audit of a round it holds every result of."""
 
@@ -63,20 +68,20 @@ class AuditCase:
     nonce: bytes
     commits: tuple[str, ...]  # each member's audit commitment, plan order
     settled: tuple[str, ...]
-    results: dict[int, pb.ShardResult]  # every shard's signed header as we received it (ours included)
-    rounding: dict[int, float]  # the codec's rounding bound of each received result
+    results: Mapping[int, pb.ShardResult]  # every shard's signed header as we received it (ours included)
+    rounding: Mapping[int, float]  # the codec's rounding bound of each received result
     average: torch.Tensor  # the decoded results
-    own: list[torch.Tensor]  # our part of every shard, as its reducer decoded it
-    parts: dict[str, torch.Tensor]  # the parts of our shard we hold, by contributor
-    part_frames: dict[str, tuple[pb.ShardPart, bytes]] = field(default_factory=dict)  # their signed headers + bytes
-    sent: int = 0
-    received: int = 0
+    own: Sequence[torch.Tensor]  # our part of every shard, as its reducer decoded it
+    parts: Mapping[str, torch.Tensor]  # the parts of our shard we hold, by contributor
+    part_frames: Mapping[str, tuple[pb.ShardPart, bytearray]] = field(default_factory=dict)  # signed headers + bytes
 
 
 @dataclass
 class Findings:
     cheaters: dict[str, str] = field(default_factory=dict)  # peer -> the evidence, in words
     failed: set[int] = field(default_factory=set)  # shards that failed their check
+    sent: int = 0  # bytes the audit's frames took, each way
+    received: int = 0
 
     def convict(self, peer: str, why: str) -> None:
         self.cheaters.setdefault(peer, why[:300])
@@ -94,7 +99,7 @@ async def audit(case: AuditCase, pipes: dict[str, Pipe], *, timeout: float) -> F
     bodies = [result_body(case.run_id, case.plan_id, plan.members[j], case.results[j]) for j in range(n)]
     reveal = pb.AuditReveal(round=plan.round, nonce=case.nonce, digests=[signed_digest(b) for b in bodies],
                             signatures=[case.results[j].signature for j in range(n)])
-    reveals = await _everyone(case, pipes, others, reveal, pb.AuditReveal, 0, timeout)
+    reveals = await _everyone(case, found, pipes, others, reveal, pb.AuditReveal, 0, timeout)
     nonces = {me: case.nonce}
     for peer, (msg, _) in reveals.items():
         i = plan.members.index(peer)
@@ -124,7 +129,7 @@ async def audit(case: AuditCase, pipes: dict[str, Pipe], *, timeout: float) -> F
     own, result_sketches, held = await loop.run_in_executor(None, sketch_all)
     mine = pb.AuditSketch(round=plan.round, sketches=[s for shard in own for s in shard])
     mine.signature = sign(case.identity, sketch_body(case.run_id, case.plan_id, me, mine))
-    received = await _everyone(case, pipes, others, mine, pb.AuditSketch, 0, timeout)
+    received = await _everyone(case, found, pipes, others, mine, pb.AuditSketch, 0, timeout)
     theirs: dict[str, list[list[float]]] = {me: own}
     for peer, (msg, _) in received.items():
         values = list(msg.sketches)
@@ -139,7 +144,7 @@ async def audit(case: AuditCase, pipes: dict[str, Pipe], *, timeout: float) -> F
     verdict.signature = sign(case.identity, verdict_body(case.run_id, case.plan_id, me, verdict))
     if verdict.accused:
         found.convict(verdict.accused, f"its audit sketch of shard {case.k} does not match the part it signed")
-    verdicts = await _everyone(case, pipes, others, verdict, pb.AuditVerdict, None, timeout, payload=evidence)
+    verdicts = await _everyone(case, found, pipes, others, verdict, pb.AuditVerdict, None, timeout, payload=evidence)
     for reducer, (v, body) in verdicts.items():
         j = plan.members.index(reducer)
         if v.round != plan.round or v.shard != j or \
@@ -164,7 +169,7 @@ async def audit(case: AuditCase, pipes: dict[str, Pipe], *, timeout: float) -> F
 
 
 def _our_verdict(case: AuditCase, theirs: dict[str, list[list[float]]],
-                 held: dict[str, list[float]]) -> tuple[pb.AuditVerdict, bytes]:
+                 held: dict[str, list[float]]) -> tuple[pb.AuditVerdict, bytes | bytearray]:
     verdict = pb.AuditVerdict(round=case.plan.round, shard=case.k)
     size = case.plan.shard(case.k).stop - case.plan.shard(case.k).start
     for peer, ours in held.items():
@@ -199,23 +204,24 @@ def _judge(case: AuditCase, seed: bytes, j: int, reducer: str, v: pb.AuditVerdic
     return reducer if sketch_matches(theirs[accused][j], ours, scale) else accused
 
 
-async def _everyone(case: AuditCase, pipes: dict[str, Pipe], others: list[str], message, kind, max_payload,
-                    timeout: float, *, payload: bytes = b"") -> dict[str, tuple]:
+async def _everyone(case: AuditCase, found: Findings, pipes: dict[str, Pipe], others: list[str], message: Message,
+                    kind: type[M], max_payload: int | None, timeout: float, *,
+                    payload: bytes | bytearray = b"") -> dict[str, tuple[M, bytearray]]:
     """Send `message` to every other member and receive one `kind` frame from each (at most `max_payload` bytes;
-    None: up to the encoded size of the sender's shard)."""
+    None: up to the encoded size of the sender's shard); counts the bytes in `found`."""
 
     async def send(peer: str) -> None:
         sent = await pipes[peer].send(message, payload, timeout=timeout)
-        case.sent += sent  # (not `+= await`: that would read the total before the await)
+        found.sent += sent  # (not `+= await`: that would read the total before the await)
 
-    async def recv(peer: str) -> tuple:
+    async def recv(peer: str) -> tuple[M, bytearray]:
         cap = max_payload
         if cap is None:
             s = case.plan.shard(case.plan.members.index(peer))
             cap = case.codec.encoded_size(s.stop - s.start)
         try:
             header, body = await pipes[peer].recv(kind, max_payload=cap, timeout=timeout)
-            case.received += frame_bytes(header, len(body))
+            found.received += frame_bytes(header, len(body))
             return header, body
         except WireError as exc:
             raise RoundAborted(f"{peer[-8:]} did not take part in the audit: {exc}", blame=peer) from exc

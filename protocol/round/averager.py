@@ -10,7 +10,7 @@
 `run_round` hides who leads. Every member sends its leader a claim (tokens, staleness, bandwidth, how to reach
 it); the leader bounds the weights and sends back the plan: the contributors, their weights, and which of them
 reduces which shard of the vector (`swarmloco.protocol.round.plans`). The members then run a sharded reduce among
-themselves (`swarmloco.protocol.round.shards`): each sends shard j of its Δ to member j and receives every reduced
+themselves (`swarmloco.protocol.round.shard_reduce`): each sends shard j of its Δ to member j and receives every reduced
 shard back, so no link carries more than about twice the vector. Each member applies the average tentatively (`apply`,
 the caller's outer step, returns the new state hash) and signs the round's statement (run, r+1, previous and new hash,
 contributors and weights, swarm size, cumulative work) with its own hash in it. With signatures of a majority of the
@@ -25,7 +25,7 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -53,7 +53,7 @@ class Contribution:
     staleness: int = 0  # rounds between the Δ's base state and θ_r
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class RoundResult:
     """How one round ended for this peer, and what it saw of it."""
 
@@ -174,18 +174,19 @@ class Averager:
             outcome = Outcome.DISCARDED if certificate is None else (
                 Outcome.COMMITTED if certificate.statement == statement else Outcome.MISMATCH)
             result = RoundResult(
-                outcome, group.round, group.leader, role, list(reduced.members), list(weights), plan.excluded,
-                statement.new_hash, certificate.statement.new_hash if certificate is not None else "", reason=reason,
-                bytes_sent=reduced.sent, bytes_received=reduced.received, direct=reduced.direct,
-                pipes=len(reduced.pipes), certify_s=time.monotonic() - certify_started, certificate=certificate,
-                audit_s=reduced.audit_s)
+                outcome=outcome, round=group.round, leader=group.leader, role=role, members=list(reduced.members),
+                weights=list(weights), excluded=plan.excluded, state_hash=statement.new_hash,
+                leader_hash=certificate.statement.new_hash if certificate is not None else "", reason=reason,
+                bytes_sent=reduced.sent, bytes_received=reduced.received, direct=reduced.direct, pipes=reduced.pipes,
+                certify_s=time.monotonic() - certify_started, certificate=certificate, audit_s=reduced.audit_s)
         except Exception as exc:  # whatever ends the round early, nothing uncertified is kept
             if not isinstance(exc, (RoundAborted, concurrent.futures.TimeoutError, TimeoutError)):
                 logger.exception("round %d failed unexpectedly; discarding it", group.round)
             reason = str(exc) or f"{type(exc).__name__} after {time.monotonic() - started:.1f}s"
             self.transport.submit(steps.abort(group, reason))
-            result = RoundResult(Outcome.DISCARDED, group.round, group.leader, role, list(group.members),
-                                 reason=reason, blame=exc.blame if isinstance(exc, RoundAborted) else "",
+            result = RoundResult(outcome=Outcome.DISCARDED, round=group.round, leader=group.leader, role=role,
+                                 members=list(group.members), reason=reason,
+                                 blame=exc.blame if isinstance(exc, RoundAborted) else "",
                                  cheaters=exc.cheaters if isinstance(exc, RoundAborted) else {})
         finally:
             if applied and (result is None or result.outcome != Outcome.COMMITTED):
@@ -198,8 +199,7 @@ class Averager:
                 self._judge(group, result)
         if result.outcome == Outcome.COMMITTED and result.certificate is not None:
             self.set_state(Head.of(result.certificate))
-        result.seconds = time.monotonic() - started
-        return result
+        return replace(result, seconds=time.monotonic() - started)
 
     def _judge(self, group: Group, result: RoundResult) -> None:
         """Ban whoever was proven to cheat; a leader leaves out of its next plans a member that cost it the round

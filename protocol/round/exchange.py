@@ -3,7 +3,8 @@
 A member and its leader are joined by a `Link`: the stream the member joined on. After the group closes it
 carries only small frames — the member's claim (tokens, staleness, how to reach it), the leader's plan, the
 member's vote and the leader's certificate; the tensors move between the members themselves
-(`swarmloco.protocol.round.shards`). The leader's checks on a claim are made here, before the claim can weigh anything.
+(`swarmloco.protocol.round.shard_reduce`). The leader's checks on a claim are made here, before the claim can weigh
+anything.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ class Link:
 
 
 @dataclass(frozen=True)
-class Claim:
+class MemberClaim:
     """What a contributor brings to a round, as its leader admitted it: the signed claim itself, and what follows
     from it."""
 
@@ -54,10 +55,10 @@ class Claim:
     staleness: int  # rounds between the certified state the Δ was computed from and this round's
     endpoint: Endpoint
     bandwidth: float
-    signed: pb.Contribution = field(default_factory=pb.Contribution)
+    signed: pb.ContributionClaim = field(default_factory=pb.ContributionClaim)
 
     @classmethod
-    def of(cls, header: pb.Contribution) -> Claim:
+    def of(cls, header: pb.ContributionClaim) -> MemberClaim:
         return cls(int(header.tokens), int(header.round - header.base_round),
                    Endpoint(tuple(header.data_addrs), header.data_token), float(header.bandwidth), header)
 
@@ -79,11 +80,11 @@ class ClaimContext:
 class Claims:
     """What a leader collected: admissible claims by peer, the refused ones with the reason."""
 
-    admitted: dict[str, Claim] = field(default_factory=dict)
+    admitted: dict[str, MemberClaim] = field(default_factory=dict)
     excluded: dict[str, str] = field(default_factory=dict)
 
 
-def claim_problem(header: pb.Contribution, *, peer: str, ctx: ClaimContext) -> str:
+def claim_problem(header: pb.ContributionClaim, *, peer: str, ctx: ClaimContext) -> str:
     """Why `peer`'s claim is refused ("" when it is admissible): it must be signed by `peer`, for this group, with
     a well-formed endpoint and a base state at most `max_staleness` rounds old."""
     if header.round != ctx.round or header.prev_hash != ctx.prev_hash or header.leader != ctx.leader:
@@ -117,7 +118,7 @@ def plan_claims_problem(plan: Plan, *, ctx: ClaimContext, cfg: RoundConfig) -> s
             return f"claim of {peer[-8:]}: {problem}"
         if Endpoint(tuple(claim.data_addrs), claim.data_token) != endpoint:
             return f"plan gives {peer[-8:]} another endpoint than it claimed"
-    claimed = {p: Claim.of(c) for p, c in zip(plan.members, plan.claims, strict=True)}
+    claimed = {p: MemberClaim.of(c) for p, c in zip(plan.members, plan.claims, strict=True)}
     claims = {p: (c.tokens, c.staleness) for p, c in claimed.items()}
     weights = token_weights(claims, cfg=cfg)
     if tuple(weights[p] for p in plan.members) != plan.weights:
@@ -133,7 +134,7 @@ async def collect_claims(links: dict[str, Link], *, ctx: ClaimContext, timeout: 
 
     async def one(link: Link) -> None:
         try:
-            header, _ = await link.recv(pb.Contribution, max_payload=0, timeout=timeout)
+            header, _ = await link.recv(pb.ContributionClaim, max_payload=0, timeout=timeout)
         except WireError as exc:
             into.excluded[link.peer] = f"no contribution: {exc}"
             return
@@ -143,7 +144,7 @@ async def collect_claims(links: dict[str, Link], *, ctx: ClaimContext, timeout: 
         if problem:
             into.excluded[link.peer] = problem
             return
-        into.admitted[link.peer] = Claim.of(header)
+        into.admitted[link.peer] = MemberClaim.of(header)
 
     await asyncio.gather(*(one(link) for link in links.values()))
     return into

@@ -22,7 +22,8 @@ from swarmloco.protocol.base.wire import WireError, close_writer, frame_bytes, r
 from swarmloco.protocol.network.data_hello import signer_of
 from swarmloco.protocol.network.data_plane import DataConn, DataPlane, connect
 from swarmloco.protocol.network.transport import Transport
-from swarmloco.protocol.round.plans import Endpoint
+from swarmloco.protocol.round.groups import RoundAborted
+from swarmloco.protocol.round.plans import Endpoint, Plan
 from swarmloco.protocol.trust.identity import Identity
 
 M = TypeVar("M", bound=Message)
@@ -191,3 +192,29 @@ class ShardRouter:
             pipe.close()
             raise
         return pipe
+
+    async def open_pipes(self, plan: Plan, k: int, inbox: Inbox, *, timeout: float, use_tcp: bool) -> dict[str, Pipe]:
+        """A pipe to every other contributor of the plan, by peer, for member k: dialled to those after it, taken
+        from `inbox` for those before it. Raises RoundAborted, blaming one of them, when any pipe fails to open
+        within `timeout` (those that did open are closed)."""
+
+        async def one(i: int) -> tuple[str, Pipe]:
+            peer = plan.members[i]
+            if i > k:
+                return peer, await self.dial(peer, plan.endpoints[i], plan.round, timeout=timeout, use_tcp=use_tcp)
+            return peer, await inbox.pipe(peer, timeout=timeout)
+
+        pipes: dict[str, Pipe] = {}
+        others = [i for i in range(len(plan.members)) if i != k]
+        results = await asyncio.gather(*(one(i) for i in others), return_exceptions=True)
+        failed: dict[str, str] = {}
+        for i, r in zip(others, results, strict=True):
+            if isinstance(r, BaseException):
+                failed[plan.members[i]] = f"{plan.members[i][-8:]} ({type(r).__name__})"
+            else:
+                pipes[r[0]] = r[1]
+        if failed:
+            for pipe in pipes.values():
+                pipe.close()
+            raise RoundAborted(f"no shard connection to {', '.join(failed.values())}", blame=next(iter(failed)))
+        return pipes

@@ -42,15 +42,11 @@ class Plan:
     swarm: int
     work: int
     excluded: dict[str, str] = field(default_factory=dict)
-    claims: tuple[pb.Contribution, ...] = ()  # each contributor's signed claim, same order
+    claims: tuple[pb.ContributionClaim, ...] = ()  # each contributor's signed claim, same order
     signature: bytes = b""  # the leader's, of the plan's digest
 
     def shard(self, i: int) -> slice:
         return slice(self.bounds[i], self.bounds[i + 1])
-
-    def share(self, i: int) -> float:
-        """Member i's weight in the average."""
-        return self.weights[i] / sum(self.weights)
 
     def to_pb(self) -> pb.Plan:
         return pb.Plan(

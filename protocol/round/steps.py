@@ -26,12 +26,19 @@ from swarmloco.protocol.base.wire import WireError
 from swarmloco.protocol.chain.chain import Chain
 from swarmloco.protocol.network.transport import Transport
 from swarmloco.protocol.round.config import Deadlines, LocalModel, RoundConfig
-from swarmloco.protocol.round.exchange import Claim, ClaimContext, Link, broadcast, collect_claims, plan_claims_problem
+from swarmloco.protocol.round.exchange import (
+    ClaimContext,
+    Link,
+    MemberClaim,
+    broadcast,
+    collect_claims,
+    plan_claims_problem,
+)
 from swarmloco.protocol.round.groups import Group, RoundAborted
 from swarmloco.protocol.round.pipes import ShardRouter
 from swarmloco.protocol.round.plans import Endpoint, Plan, bandwidth_shares, plan_problem, shard_bounds
 from swarmloco.protocol.round.rules import token_weights
-from swarmloco.protocol.round.shards import Reduced, ShardTimeouts, Signing, reduce_shards
+from swarmloco.protocol.round.shard_reduce import Reduced, ShardTimeouts, Signing, reduce_shards
 from swarmloco.protocol.trust.admission import Credentials
 from swarmloco.protocol.trust.certificates import Certificate, Head, Statement, need, refusal_to_sign, signed_by
 from swarmloco.protocol.trust.payloads import NONCE_BYTES, claim_body, commitment, plan_body, plan_digest, signed
@@ -112,10 +119,10 @@ class RoundSteps:
         return plan, reduced
 
     def _claim(self, group: Group, tokens: int, staleness: int, prev: Head, endpoint: Endpoint, commit: str,
-               numel: int) -> pb.Contribution:
+               numel: int) -> pb.ContributionClaim:
         """Our signed claim. `numel` is our Δ's true size: a leader refuses a wrong one before anything moves."""
         base = max(0, group.round - staleness)
-        claim = pb.Contribution(
+        claim = pb.ContributionClaim(
             tokens=tokens, codec=self.codec.name, numel=numel, data_addrs=endpoint.addrs,
             data_token=endpoint.token, bandwidth=self.bandwidth, round=group.round, prev_hash=prev.state_hash,
             leader=group.leader, base_round=base, base_hash=self.history.get(base, prev.state_hash),
@@ -128,11 +135,11 @@ class RoundSteps:
                             leader=group.leader, codec=self.codec.name, numel=self.model.numel,
                             max_staleness=self.cfg.max_staleness)
 
-    async def _plan(self, group: Group, own: pb.Contribution, prev: Head) -> Plan:
+    async def _plan(self, group: Group, own: pb.ContributionClaim, prev: Head) -> Plan:
         d, me = self.deadlines, group.me
         claims = await collect_claims(group.links, ctx=self._context(group, prev), timeout=d.control,
                                       base_known=self._base_known(prev))
-        claims.admitted[me] = Claim.of(own)
+        claims.admitted[me] = MemberClaim.of(own)
         self.suspended = {p: until for p, until in self.suspended.items() if until > group.round}
         needed = need(group.swarm, self.cfg.quorum)
         for peer in list(claims.admitted):
@@ -163,7 +170,7 @@ class RoundSteps:
         group.stage = "planned"
         return plan
 
-    async def _receive_plan(self, group: Group, claim: pb.Contribution, prev: Head) -> Plan:
+    async def _receive_plan(self, group: Group, claim: pb.ContributionClaim, prev: Head) -> Plan:
         d = self.deadlines
         link = group.links[group.leader]
         try:

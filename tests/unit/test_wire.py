@@ -56,13 +56,13 @@ def test_frames_over_the_caps_are_refused_before_allocation() -> None:
     async def main() -> None:
         with pytest.raises(WireError, match="header"):
             await read_frame(_reader(struct.pack("<I", 10**9)), pb.JoinRequest, max_payload=0, timeout=1)
-        head = pb.Contribution(tokens=1).SerializeToString()
+        head = pb.ContributionClaim(tokens=1).SerializeToString()
         huge = struct.pack("<I", len(head)) + head + struct.pack("<Q", 2**60)
         with pytest.raises(WireError, match="payload"):
-            await read_frame(_reader(huge), pb.Contribution, max_payload=1000, timeout=1)
+            await read_frame(_reader(huge), pb.ContributionClaim, max_payload=1000, timeout=1)
         short = struct.pack("<I", len(head)) + head + struct.pack("<Q", 100) + b"x" * 10
         with pytest.raises(WireError, match="stream ended"):
-            await read_frame(_reader(short), pb.Contribution, max_payload=1000, timeout=1)
+            await read_frame(_reader(short), pb.ContributionClaim, max_payload=1000, timeout=1)
         with pytest.raises(WireError, match="malformed|closed"):
             await read_frame(
                 _reader(struct.pack("<I", 3) + b"\xff\xff\xff" + struct.pack("<Q", 0)),
