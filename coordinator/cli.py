@@ -25,6 +25,7 @@ from typing import Any
 # Only light modules here: `swarmloco --help` and argument errors must not wait for uvicorn, fastapi or hivemind,
 # which run_coordinator and run_status import when they are needed.
 from swarmloco.coordinator.revocation_cli import add_revocation_commands, run_revocation
+from swarmloco.protocol.base.text import bounded, short_hash
 from swarmloco.protocol.network.ports import port_taken
 from swarmloco.protocol.trust.admission import POLICIES, AdmissionPolicy, load_allowlist
 
@@ -262,6 +263,7 @@ def run_status(args: argparse.Namespace) -> int:
     print()
     print(_table(["round", "outcome", "members", "tokens", "eval loss", "hash", "failure"], [
         [str(r["round"]), r["outcome"], str(len(r["members"])), _fmt(r["tokens_total"], ","),
-         _fmt(r["eval_loss"], ".4f"), (r["state_hash"] or "-")[:12], "; ".join(r["failure_reasons"])[:60] or "-"]
+         _fmt(r["eval_loss"], ".4f"), short_hash(r["state_hash"] or "-"),
+         bounded("; ".join(r["failure_reasons"]), 60) or "-"]
         for r in rounds]))
     return 0

@@ -168,7 +168,7 @@ class CoordinatorService:
         s = certificate.statement
         if s.round != b["round"] or s.new_hash != b["state_hash"]:
             return None, (f"the certificate is for round {s.round} {short_hash(s.new_hash)}, the report for round "
-                          f"{b['round']} {(b['state_hash'] or '')[:12]}")
+                          f"{b['round']} {short_hash(b['state_hash'] or '')}")
         if report.peer_id not in s.members:
             return None, "the reporting peer is not a member of the certified round"
         return certificate, ""

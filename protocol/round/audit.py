@@ -32,6 +32,7 @@ from google.protobuf.message import Message
 
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
 from swarmloco.protocol.base.codecs import Codec, CodecError
+from swarmloco.protocol.base.text import bounded, short_id
 from swarmloco.protocol.base.wire import WireError, frame_bytes
 from swarmloco.protocol.round.groups import RoundAborted
 from swarmloco.protocol.round.pipes import Pipe
@@ -84,7 +85,7 @@ class Findings:
     received: int = 0
 
     def convict(self, peer: str, why: str) -> None:
-        self.cheaters.setdefault(peer, why[:300])
+        self.cheaters.setdefault(peer, bounded(why))
 
 
 async def audit(case: AuditCase, pipes: dict[str, Pipe], *, timeout: float) -> Findings:
@@ -104,7 +105,7 @@ async def audit(case: AuditCase, pipes: dict[str, Pipe], *, timeout: float) -> F
     for peer, (msg, _) in reveals.items():
         i = plan.members.index(peer)
         if msg.round != plan.round or commitment(bytes(msg.nonce)) != case.commits[i]:
-            raise RoundAborted(f"{peer[-8:]} revealed a nonce that is not the one it committed to", blame=peer)
+            raise RoundAborted(f"{short_id(peer)} revealed a nonce that is not the one it committed to", blame=peer)
         nonces[peer] = bytes(msg.nonce)
         for j, (d, sig) in enumerate(zip(msg.digests[:n], msg.signatures[:n], strict=False)):
             reducer = plan.members[j]
@@ -137,7 +138,7 @@ async def audit(case: AuditCase, pipes: dict[str, Pipe], *, timeout: float) -> F
         finite = peer not in case.settled or all(math.isfinite(v) for v in values)
         if msg.round != plan.round or len(values) != n * q or not finite or \
                 not signed(peer, sketch_body(case.run_id, case.plan_id, peer, msg), msg.signature):
-            raise RoundAborted(f"{peer[-8:]} sent a malformed or unsigned audit sketch", blame=peer)
+            raise RoundAborted(f"{short_id(peer)} sent a malformed or unsigned audit sketch", blame=peer)
         theirs[peer] = [values[j * q:(j + 1) * q] for j in range(n)]
 
     verdict, evidence = _our_verdict(case, theirs, held)
@@ -149,12 +150,12 @@ async def audit(case: AuditCase, pipes: dict[str, Pipe], *, timeout: float) -> F
         j = plan.members.index(reducer)
         if v.round != plan.round or v.shard != j or \
                 not signed(reducer, verdict_body(case.run_id, case.plan_id, reducer, v), v.signature):
-            raise RoundAborted(f"{reducer[-8:]} sent a malformed or unsigned audit verdict", blame=reducer)
+            raise RoundAborted(f"{short_id(reducer)} sent a malformed or unsigned audit verdict", blame=reducer)
         if v.accused:
             liar = await loop.run_in_executor(None, _judge, case, seed, j, reducer, v, bytes(body), theirs)
             found.convict(liar, f"audit of shard {j}: " + (
                 "its sketch does not match the part it signed" if liar == v.accused else
-                f"it accused {v.accused[-8:]} without evidence"))
+                f"it accused {short_id(v.accused)} without evidence"))
             found.failed.add(j)
     for j, reducer in enumerate(plan.members):
         if j in found.failed or (j == case.k and verdict.accused):
@@ -224,7 +225,7 @@ async def _everyone(case: AuditCase, found: Findings, pipes: dict[str, Pipe], ot
             found.received += frame_bytes(header, len(body))
             return header, body
         except WireError as exc:
-            raise RoundAborted(f"{peer[-8:]} did not take part in the audit: {exc}", blame=peer) from exc
+            raise RoundAborted(f"{short_id(peer)} did not take part in the audit: {exc}", blame=peer) from exc
 
     sends = asyncio.gather(*(send(p) for p in others))
     try:

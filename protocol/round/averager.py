@@ -32,6 +32,7 @@ import torch
 from swarmloco.protocol.base.codecs import get_codec
 from swarmloco.protocol.base.hooks import Hooks
 from swarmloco.protocol.base.outcome import Outcome
+from swarmloco.protocol.base.text import bounded
 from swarmloco.protocol.chain.chain import Chain
 from swarmloco.protocol.chain.forks import Behind
 from swarmloco.protocol.network.data_plane import DataPlane
@@ -208,7 +209,7 @@ class Averager:
         if steps is None or matchmaker is None:
             return
         async def ban(peer: str, why: str) -> None:  # on the loop, where the matchmaker reads it
-            matchmaker.banned[peer] = why[:300]
+            matchmaker.banned[peer] = bounded(why)
 
         for peer, why in result.cheaters.items():
             if peer != self.transport.peer_id:
@@ -220,4 +221,4 @@ class Averager:
     def _skip_leader(self, leader: str, why: str) -> None:
         matchmaker = self.matchmaker
         if matchmaker is not None:
-            self.transport.loop.call_soon_threadsafe(matchmaker.skip_leader, leader, why[:200])
+            self.transport.loop.call_soon_threadsafe(matchmaker.skip_leader, leader, bounded(why, 200))

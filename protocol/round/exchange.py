@@ -17,6 +17,7 @@ from typing import TypeVar
 from google.protobuf.message import Message
 
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
+from swarmloco.protocol.base.text import short_id
 from swarmloco.protocol.base.wire import WireError, close_writer, frame_bytes, read_frame, write_frame
 from swarmloco.protocol.round.config import RoundConfig
 from swarmloco.protocol.round.plans import Endpoint, Plan, endpoint_ok
@@ -115,9 +116,9 @@ def plan_claims_problem(plan: Plan, *, ctx: ClaimContext, cfg: RoundConfig) -> s
     for peer, claim, endpoint in zip(plan.members, plan.claims, plan.endpoints, strict=True):
         problem = claim_problem(claim, peer=peer, ctx=ctx)
         if problem:
-            return f"claim of {peer[-8:]}: {problem}"
+            return f"claim of {short_id(peer)}: {problem}"
         if Endpoint(tuple(claim.data_addrs), claim.data_token) != endpoint:
-            return f"plan gives {peer[-8:]} another endpoint than it claimed"
+            return f"plan gives {short_id(peer)} another endpoint than it claimed"
     claimed = {p: MemberClaim.of(c) for p, c in zip(plan.members, plan.claims, strict=True)}
     claims = {p: (c.tokens, c.staleness) for p, c in claimed.items()}
     weights = token_weights(claims, cfg=cfg)
@@ -158,7 +159,7 @@ async def broadcast(links: dict[str, Link], header: Message, *, timeout: float) 
         try:
             return await link.send(header, timeout=timeout)
         except WireError as exc:
-            logger.info("could not deliver %s to %s: %r", type(header).__name__, link.peer[-8:], exc)
+            logger.info("could not deliver %s to %s: %r", type(header).__name__, short_id(link.peer), exc)
             return 0
 
     return sum(await asyncio.gather(*(one(link) for link in links.values())))

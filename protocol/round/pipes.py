@@ -18,6 +18,7 @@ from google.protobuf.message import Message
 
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
 from swarmloco.protocol.base.records import PROTOCOL_VERSION
+from swarmloco.protocol.base.text import short_id
 from swarmloco.protocol.base.wire import WireError, close_writer, frame_bytes, read_frame, write_frame
 from swarmloco.protocol.network.data_hello import signer_of
 from swarmloco.protocol.network.data_plane import DataConn, DataPlane, connect
@@ -184,7 +185,7 @@ class ShardRouter:
         try:
             reader, writer = await self.transport.open_stream(peer, self.handler_name, timeout=timeout)
         except Exception as exc:  # whatever keeps us from a member means: no pipe to it
-            raise WireError(f"cannot reach {peer[-8:]}: {exc!r}") from exc
+            raise WireError(f"cannot reach {short_id(peer)}: {exc!r}") from exc
         pipe = Pipe(peer, reader=reader, writer=writer)
         try:
             await pipe.send(pb.ShardHello(token=endpoint.token, round=round_number), timeout=timeout)
@@ -210,7 +211,7 @@ class ShardRouter:
         failed: dict[str, str] = {}
         for i, r in zip(others, results, strict=True):
             if isinstance(r, BaseException):
-                failed[plan.members[i]] = f"{plan.members[i][-8:]} ({type(r).__name__})"
+                failed[plan.members[i]] = f"{short_id(plan.members[i])} ({type(r).__name__})"
             else:
                 pipes[r[0]] = r[1]
         if failed:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
+from swarmloco.protocol.base.text import bounded
 
 SHARD_ALIGN = 128  # shard boundaries fall on whole quantisation blocks, so a shard encodes like a whole vector
 BANDWIDTH_CLAMP = 4.0  # a member's share of the vector is within [1/4, 4] × the median share
@@ -82,7 +83,7 @@ def plan_problem(plan: Plan, *, round_number: int, codec: str, numel: int, me: s
     if list(plan.members) != sorted(set(plan.members)) or not set(plan.members) <= set(group):
         return "plan's contributors are not distinct members of our group in sorted order"
     if me not in plan.members:
-        why = plan.excluded.get(me, "")[:200]
+        why = bounded(plan.excluded.get(me, ""), 200)
         return "our contribution was excluded" + (f": {why}" if why else "")
     if len(plan.weights) != n or len(plan.endpoints) != n or len(plan.bounds) != n + 1:
         return "plan's weights, endpoints and shard bounds do not match its contributors"

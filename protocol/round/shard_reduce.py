@@ -40,6 +40,7 @@ import torch
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
 from swarmloco.protocol.base.codecs import Codec, CodecError
 from swarmloco.protocol.base.hooks import Hooks
+from swarmloco.protocol.base.text import bounded, short_id
 from swarmloco.protocol.base.wire import WireError, frame_bytes
 from swarmloco.protocol.round.audit import AuditCase, audit
 from swarmloco.protocol.round.config import Rule
@@ -168,8 +169,9 @@ async def reduce_shards(plan: Plan, delta: torch.Tensor, *, me: str, codec: Code
             received += found.received
             audit_s = time.monotonic() - started
             if found.cheaters:
-                raise RoundAborted("audit failed: " + "; ".join(f"{p[-8:]} {why}" for p, why in found.cheaters.items()),
-                                   blame=next(iter(found.cheaters)), cheaters=found.cheaters)
+                convicted = "; ".join(f"{short_id(p)} {why}" for p, why in found.cheaters.items())
+                raise RoundAborted("audit failed: " + convicted, blame=next(iter(found.cheaters)),
+                                   cheaters=found.cheaters)
     except BaseException:
         for pipe in pipes.values():
             pipe.close()
@@ -299,8 +301,8 @@ async def _exchange_parts(plan: Plan, k: int, own: torch.Tensor, pipes: Mapping[
     slow = [plan.members[i] for i, r in zip(order, got_all, strict=True) if r is None]
     if slow:  # it reduces a shard too: the round cannot wait for it, nor go on without it
         sending.cancel()
-        raise RoundAborted(f"{slow[0][-8:]} is too slow: its part of shard {k} did not come within the grace after "
-                           "a majority had", blame=slow[0])
+        raise RoundAborted(f"{short_id(slow[0])} is too slow: its part of shard {k} did not come within the grace "
+                           "after a majority had", blame=slow[0])
     try:
         await sending
     except WireError as exc:
@@ -351,7 +353,7 @@ async def _exchange_results(plan: Plan, k: int, pipes: Mapping[str, Pipe], membe
             took = await pipes[peer].send(h, body, timeout=timeout)
             sent += took
         except WireError as exc:
-            logger.info("could not send shard %d to %s: %s", k, peer[-8:], exc)
+            logger.info("could not send shard %d to %s: %s", k, short_id(peer), exc)
 
     def check_and_place(i: int, h: pb.ShardResult, body: bytearray) -> tuple[str, bool]:
         """Why reducer i's result is refused ("" when it checks out: it is now in the average), and whether that is
@@ -371,15 +373,15 @@ async def _exchange_results(plan: Plan, k: int, pipes: Mapping[str, Pipe], membe
             h, body = await pipes[peer].recv(pb.ShardResult, max_payload=codec.encoded_size(
                 theirs.stop - theirs.start), timeout=timeout)
         except WireError as exc:
-            return f"no result from {peer[-8:]}: {exc}", ""
+            return f"no result from {short_id(peer)}: {exc}", ""
         if h.round != plan.round or h.shard != i:
-            return f"{peer[-8:]} sent the result of round {h.round}, shard {h.shard}", ""
+            return f"{short_id(peer)} sent the result of round {h.round}, shard {h.shard}", ""
         if not h.ok:
-            return f"{peer[-8:]} has no result for shard {i}: {h.reason[:200]}", ""
+            return f"{short_id(peer)} has no result for shard {i}: {bounded(h.reason, 200)}", ""
         received += frame_bytes(h, len(body))
         problem, proven = await loop.run_in_executor(None, check_and_place, i, h, body)
         if problem:
-            return f"{peer[-8:]}'s shard {i} refused: {problem}", problem if proven else ""
+            return f"{short_id(peer)}'s shard {i} refused: {problem}", problem if proven else ""
         headers[i] = h
         return "", ""
 
@@ -388,11 +390,11 @@ async def _exchange_results(plan: Plan, k: int, pipes: Mapping[str, Pipe], membe
     _, outcomes = await asyncio.gather(
         asyncio.gather(*(send_one(plan.members[i]) for i in others)),
         gather_with_grace([receive_one(i) for i in others], have=1, need=n // 2 + 1, floor=signing.grace_floor))
-    outcomes = [o or (f"{plan.members[i][-8:]} is too slow: its shard {i} did not come within the grace after a "
+    outcomes = [o or (f"{short_id(plan.members[i])} is too slow: its shard {i} did not come within the grace after a "
                       "majority had", "") for i, o in zip(others, outcomes, strict=True)]
     lost = [(plan.members[i], problem, proof) for i, (problem, proof) in zip(others, outcomes, strict=True) if problem]
     if lost:
         cheaters = {peer: proof for peer, _, proof in lost if proof}
-        raise RoundAborted(f"shard lost: {'; '.join(p for _, p, _ in lost)[:500]}", blame=lost[0][0],
+        raise RoundAborted(f"shard lost: {bounded('; '.join(p for _, p, _ in lost), 500)}", blame=lost[0][0],
                            cheaters=cheaters)
     return _Results(average=average, headers=headers, rounding=rounding, sent=sent, received=received)

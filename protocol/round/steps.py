@@ -22,6 +22,7 @@ import torch
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
 from swarmloco.protocol.base.codecs import Codec
 from swarmloco.protocol.base.hooks import Hooks
+from swarmloco.protocol.base.text import bounded, short_hash, short_id
 from swarmloco.protocol.base.wire import WireError
 from swarmloco.protocol.chain.chain import Chain
 from swarmloco.protocol.network.transport import Transport
@@ -64,12 +65,12 @@ class RoundSteps:
 
     def ban(self, peer: str, why: str) -> None:
         if peer not in self.banned:
-            logger.warning("banning %s for the rest of the run: %s", peer[-8:], why[:300])
-        self.banned[peer] = why[:300]
+            logger.warning("banning %s for the rest of the run: %s", short_id(peer), bounded(why))
+        self.banned[peer] = bounded(why)
 
     def suspend(self, peer: str, round_number: int, why: str) -> None:
-        logger.info("leaving %s out of our plans until round %d: %s", peer[-8:], round_number + SUSPEND_ROUNDS,
-                    why[:200])
+        logger.info("leaving %s out of our plans until round %d: %s", short_id(peer), round_number + SUSPEND_ROUNDS,
+                    bounded(why, 200))
         self.suspended[peer] = round_number + SUSPEND_ROUNDS
 
     def remember(self, head: Head) -> None:
@@ -179,11 +180,11 @@ class RoundSteps:
         except WireError as exc:
             raise RoundAborted(f"lost the leader before the plan: {exc}", blame=group.leader) from exc
         if not msg.ok:
-            raise RoundAborted(f"leader aborted the round: {msg.reason[:300]}")
+            raise RoundAborted(f"leader aborted the round: {bounded(msg.reason)}")
         plan = Plan.from_pb(msg)
         me = self.transport.peer_id
         if me not in plan.members:  # the leader refused our claim, and says why: its judgement, not a fault
-            raise RoundAborted(f"our contribution was excluded: {plan.excluded.get(me, '')[:300]}")
+            raise RoundAborted(f"our contribution was excluded: {bounded(plan.excluded.get(me, ''))}")
         problem = plan_problem(plan, round_number=group.round, codec=self.codec.name, numel=self.model.numel, me=me,
                                group=group.members, max_group=self.cfg.max_group)
         if not problem and not signed(group.leader, plan_body(self.transport.run_id, plan.round, plan_digest(msg)),
@@ -212,11 +213,11 @@ class RoundSteps:
         d = self.deadlines
         link = group.links[group.leader]
         for peer, why in problems.items():
-            logger.info("round %d: part from %s refused: %s", group.round, peer[-8:], why[:200])
+            logger.info("round %d: part from %s refused: %s", group.round, short_id(peer), bounded(why, 200))
         try:
             refused = [p for p in plan.members if p in problems]
             report = pb.ShardReport(round=plan.round, shard=plan.members.index(group.me), have=have, refused=refused,
-                                    refused_reasons=[problems[p][:200] for p in refused])
+                                    refused_reasons=[bounded(problems[p], 200) for p in refused])
             await link.send(report, timeout=d.control)
             # the leader waits for the slowest reducer's report: up to one transfer after ours
             msg, _ = await link.recv(pb.Contributors, max_payload=0, timeout=d.transfer + 2 * d.control)
@@ -224,7 +225,7 @@ class RoundSteps:
             raise RoundAborted(f"lost the leader while settling the contributors: {exc}",
                                blame=group.leader) from exc
         if not msg.ok:
-            raise RoundAborted(f"leader aborted the round: {msg.reason[:300]}")
+            raise RoundAborted(f"leader aborted the round: {bounded(msg.reason)}")
         members = tuple(msg.members)
         if msg.round != plan.round or not members or list(members) != sorted(set(members)) or \
                 not set(members) <= set(have):
@@ -247,21 +248,21 @@ class RoundSteps:
         reports = dict(zip(reducers, await asyncio.gather(*(report_of(group.links[p]) for p in reducers)),
                            strict=True))
         holders = {group.me: set(have)}
-        why: dict[str, list[str]] = {p: [f"{group.me[-8:]}: {problems[p][:200]}"] for p in problems}
+        why: dict[str, list[str]] = {p: [f"{short_id(group.me)}: {bounded(problems[p], 200)}"] for p in problems}
         for reducer, r in reports.items():
             if r is None or reducer not in plan.members:
                 continue
             holders[reducer] = set(r.have)
             for p, reason in zip(r.refused, r.refused_reasons, strict=False):
                 if p in plan.members:
-                    why.setdefault(p, []).append(f"{reducer[-8:]}: {reason[:200]}")
+                    why.setdefault(p, []).append(f"{short_id(reducer)}: {bounded(reason, 200)}")
         missing = [p for p in plan.members if p not in holders]
         kept = set(plan.members).intersection(*holders.values())
         excluded = {p: "; ".join(why.get(p, [])[:3]) or "its part of some shard did not arrive"
                     for p in plan.members if p not in kept}
         reason = ""
         if missing:
-            reason = f"no report from reducer(s) {', '.join(p[-8:] for p in missing)}: their shards are lost"
+            reason = f"no report from reducer(s) {', '.join(short_id(p) for p in missing)}: their shards are lost"
         elif len(kept) < need(group.swarm, self.cfg.quorum):
             reason = (f"only {len(kept)} contributions arrived whole at every reducer; a certificate needs "
                       f"{need(group.swarm, self.cfg.quorum)}: {excluded}")
@@ -300,9 +301,9 @@ class RoundSteps:
             if vote.accept and peer in statement.members and signed_by(peer, body, vote.signature):
                 signatures[peer] = vote.signature
             elif vote.accept:
-                refusals.append(f"{peer[-8:]}: reached {vote.state_hash[:12]}…")
+                refusals.append(f"{short_id(peer)}: reached {short_hash(vote.state_hash)}…")
             else:
-                refusals.append(f"{peer[-8:]}: {vote.reason[:200]}")
+                refusals.append(f"{short_id(peer)}: {bounded(vote.reason, 200)}")
         tickets = {p: group.tickets.get(p, b"").decode(errors="replace") for p in signatures if p != group.me}
         tickets[group.me] = self.credentials.ticket.decode(errors="replace")
         certificate = Certificate(statement, signatures, {p: t for p, t in tickets.items() if t})
@@ -326,7 +327,7 @@ class RoundSteps:
         except WireError as exc:
             raise RoundAborted(f"no certificate from the leader: {exc}", blame=group.leader) from exc
         if not commit.ok:  # too few signatures: the leader tells us honestly, and is not to blame for it
-            return None, f"leader has no certificate: {commit.reason[:300]}"
+            return None, f"leader has no certificate: {bounded(commit.reason)}"
         try:
             certificate = Certificate.from_bytes(commit.certificate)
         except ValueError as exc:
