@@ -10,7 +10,6 @@ $(BIN)/swarmloco: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet --progress-bar off -e '.[test]'
-	@$(BIN)/swarmloco peer --help > /dev/null  # fills the flag cache, so the next --help answers at once
 	touch $@
 	@echo "installed: run $(BIN)/swarmloco, or 'source $(VENV)/bin/activate' to have swarmloco on your PATH"
 

@@ -25,10 +25,6 @@ from swarmloco.protocol.trust.identity import IdentityError
 logger = logging.getLogger(__name__)
 
 
-def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
-    config_mod.add_arguments(parser)
-
-
 def build_replica(cfg: PeerConfig, *, data_seed: int = 0) -> Replica:
     run, train = cfg.run, cfg.train
     if run.shard_index is None:

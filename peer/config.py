@@ -5,6 +5,10 @@ Which flag, TOML key and env var feed which field is the static table in peer/op
 dataclass's `__post_init__`; a bad value becomes a one-line `ConfigError` naming the setting, the value and what is
 allowed. Nothing here touches the network or waits: startup decisions that do (the bootstrap ready file, the shard
 of a compose replica) are made afterwards by peer/bootstrap.py.
+
+This module and the config modules it imports (peer/outer_config.py, protocol/network/config.py,
+protocol/round/config.py, ...) import neither torch nor hivemind: peer/cli_args.py reads each flag's kind and
+default from these dataclasses, and `swarmloco peer --help` answers without loading either.
 """
 from __future__ import annotations
 
@@ -15,15 +19,15 @@ import tomllib
 import types
 import typing
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from swarmloco.peer.options import CONFIG_ENV, ENV_PREFIX, OPTIONS, OTHER_ENV, Option
-from swarmloco.peer.outer import OuterConfig
+from swarmloco.peer.outer_config import OuterConfig
 from swarmloco.peer.presets import PRESETS
 from swarmloco.peer.tickets import AdmissionConfig
-from swarmloco.protocol.network.node import NetworkConfig
+from swarmloco.protocol.network.config import NetworkConfig
 from swarmloco.protocol.round.config import MAX_TOKENS, RoundConfig
 
 
@@ -174,23 +178,24 @@ SECTIONS: dict[str, type] = {name: cls for name, cls in typing.get_type_hints(Pe
 _BY_FIELD: dict[tuple[str, str], Option] = {(o.section, o.field): o for o in OPTIONS}
 
 
-def _field_type(cls: type, name: str) -> Any:
+def field_type(cls: type, name: str) -> Any:
+    """The type annotation of field `name` of dataclass `cls`, resolved."""
     return typing.get_type_hints(cls)[name]
 
 
-def _base_type(tp: Any) -> tuple[Any, bool]:
+def base_type(tp: Any) -> tuple[Any, bool]:
     """(scalar type, is_list) for int/float/str/bool, `X | None` and tuple[str, ...]."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _base_type(args[0])
+        return base_type(args[0])
     if origin in (tuple, list):
         return typing.get_args(tp)[0], True
     return tp, False
 
 
 def _coerce(value: Any, tp: Any, name: str, *, auto: bool = False) -> Any:
-    base, is_list = _base_type(tp)
+    base, is_list = base_type(tp)
     if is_list:
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)):
@@ -215,38 +220,6 @@ def _coerce(value: Any, tp: Any, name: str, *, auto: bool = False) -> Any:
         return base(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{name}: got {value!r}, allowed {allowed}") from None
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The peer's flags (peer/cli_args.py builds them from option_spec, cached)."""
-    from swarmloco.peer.cli_args import add_arguments as add
-
-    add(parser, option_spec())
-
-
-def _shown(value: Any, opt: Option) -> str:
-    """A default as --help shows it."""
-    if value is None:
-        return "auto" if opt.auto else "unset"
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if isinstance(value, tuple):
-        return " ".join(map(str, value)) or "none"
-    return str(value)
-
-
-def option_spec() -> dict[str, Any]:
-    """Each flag's kind and default, read from the dataclasses: what peer/cli_args.py caches."""
-    options = {}
-    for opt in OPTIONS:
-        cls = SECTIONS[opt.section]
-        base, is_list = _base_type(_field_type(cls, opt.field))
-        default = next(f for f in fields(cls) if f.name == opt.field).default
-        if default is MISSING:
-            default = None
-        kind = "bool" if base is bool else "list" if is_list else "value"
-        options[opt.flag] = {"kind": kind, "default": _shown(default, opt)}
-    return {"sections": list(SECTIONS), "options": options}
 
 
 def load_toml(path: str) -> dict[str, dict[str, Any]]:
@@ -323,7 +296,7 @@ def build_config(args: argparse.Namespace | None = None, env: Mapping[str, str] 
         kwargs = {}
         for key, value in values[section].items():
             opt = _BY_FIELD.get((section, key))
-            kwargs[key] = _coerce(value, _field_type(cls, key), opt.label if opt else key,
+            kwargs[key] = _coerce(value, field_type(cls, key), opt.label if opt else key,
                                   auto=opt is not None and opt.auto)
         sections[section] = _construct(cls, kwargs)
     return PeerConfig(**sections)

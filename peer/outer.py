@@ -6,24 +6,10 @@ same float operations on CPU fp32 tensors and ends with bit-identical θ and mom
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True, kw_only=True)
-class OuterConfig:
-    """Outer optimiser: DiLoCo's published defaults are Nesterov, lr 0.7, momentum 0.9."""
-
-    lr: float = 0.7
-    momentum: float = 0.9
-    nesterov: bool = True
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.lr <= 10.0:
-            raise ValueError(f"outer lr: got {self.lr}, allowed 0 < lr <= 10")
-        if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"outer momentum: got {self.momentum}, allowed 0 <= momentum < 1")
+from swarmloco.peer.outer_config import OuterConfig
 
 
 @torch.no_grad()

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from swarmloco.peer.config import RuntimeConfig, TrainConfig
-from swarmloco.peer.outer import OuterConfig, outer_step, pseudo_gradient
+from swarmloco.peer.outer import outer_step, pseudo_gradient
+from swarmloco.peer.outer_config import OuterConfig
 from swarmloco.peer.task import Batch, Task, autocast_for
 from swarmloco.protocol.base.hashing import state_hash
 

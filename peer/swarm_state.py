@@ -1,16 +1,22 @@
 """Bridges a Replica's named tensors and the protocol's flat views: pseudo-gradients as one fp32 vector, the global
-state as one blob for donors (layout in `swarmloco.protocol.base.hashing.pack_state`), and re-basing local progress
-onto a newer global state."""
+state as one blob for donors (layout in `swarmloco.protocol.base.hashing.pack_state`), re-basing local progress
+onto a newer global state, and the certified head a (resumed) replica's state stands at."""
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from swarmloco.peer.replica import Replica
-from swarmloco.protocol.base.hashing import StateLayout, blob_hash, pack_state, state_hash, state_layout, unpack_state
+from swarmloco.protocol.base.hashing import StateLayout, pack_state, state_hash, state_layout, unpack_state
 from swarmloco.protocol.base.records import fingerprint
 from swarmloco.protocol.round.config import LocalModel
+from swarmloco.protocol.trust.certificates import Certificate, Head
+
+logger = logging.getLogger(__name__)
 
 
 def local_model(replica: Replica, seed: int) -> LocalModel:
@@ -69,10 +75,6 @@ def parse_blob(
     return unpack_state(blob, _shapes(replica), replica.names)
 
 
-def verify_blob(blob: bytes | bytearray, replica: Replica) -> str:
-    return blob_hash(blob, _shapes(replica), replica.names)
-
-
 def layout_of(replica: Replica) -> StateLayout:
     """What a certified state hash of this model commits to besides its chunks (checked before any download)."""
     return state_layout(_shapes(replica), replica.names)
@@ -96,3 +98,27 @@ def rebase(
         for name, p in replica.model.named_parameters():
             p.copy_((replica.global_params[name] - delta[name]).to(p.device, p.dtype))
         replica.round_steps, replica.round_tokens = round_steps, round_tokens
+
+
+def resumed_head(replica: Replica, resumed: dict[str, Any], *, genesis: str,
+                 verify: Callable[[Certificate], str]) -> Head:
+    """θ_0, or the certified state a resumed checkpoint holds (`resumed`: its sidecar, where a swarm peer keeps the
+    certificate of its state). A checkpoint without a valid certificate for its state still trains, but nobody
+    adopts its state until a round certifies one. `verify` says why a certificate proves nothing ("" if valid)."""
+    if replica.round == 0:
+        if replica.state_hash() != genesis:
+            raise ValueError("the checkpoint at round 0 does not hold this run's θ_0 (another seed or task?)")
+        return Head(0, genesis)
+    raw = resumed.get("certificate")
+    state_hash = replica.state_hash()
+    if isinstance(raw, str):
+        try:
+            cert = Certificate.from_bytes(raw.encode())
+        except ValueError:
+            cert = None
+        if cert is not None and (cert.statement.round, cert.statement.new_hash) == (replica.round, state_hash) and \
+                not verify(cert):
+            return Head.of(cert)
+    logger.warning("the checkpoint's round %d has no valid certificate: training on, but no peer will adopt this "
+                   "state, and any certified state of the swarm replaces it", replica.round)
+    return Head(replica.round, state_hash, 0)  # no certified work: it never outranks a certified chain

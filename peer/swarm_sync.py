@@ -32,6 +32,7 @@ from swarmloco.peer.swarm_state import (
     local_model,
     parse_blob,
     rebase,
+    resumed_head,
     state_blob,
     unflatten,
 )
@@ -41,8 +42,9 @@ from swarmloco.protocol.base.hashing import known_leaves
 from swarmloco.protocol.base.hooks import Hooks
 from swarmloco.protocol.base.outcome import Outcome
 from swarmloco.protocol.base.records import PeerRecord
+from swarmloco.protocol.chain.config import FetchConfig
 from swarmloco.protocol.chain.forks import Behind
-from swarmloco.protocol.chain.state_sync import FetchConfig, ServedState, StateServer, StateSyncError, download_state
+from swarmloco.protocol.chain.state_sync import ServedState, StateServer, StateSyncError, download_state
 from swarmloco.protocol.network.node import SwarmNode
 from swarmloco.protocol.round.averager import Averager, Contribution, RoundResult
 from swarmloco.protocol.round.matchmaking import Group, RoundAborted
@@ -98,7 +100,7 @@ class SwarmSync:
                                   data_plane=self.averager.data_plane,
                                   control_timeout_s=self.cfg.round.control_timeout_s, hooks=self.hooks)
         self.node.call(self.server.register(), timeout=RECORDS_TIMEOUT_S)
-        self.publish_state(self._resumed_head(loop))
+        self.publish_state(resumed_head(r, loop.resumed, genesis=self.genesis, verify=self.averager.chain.verify))
         loop.progress.event("joined", peer_id=self.node.peer_id, maddrs=self.node.visible_maddrs(), round=r.round)
         problem = compatibility_problem(self.others(), fingerprint=self.model.fingerprint, config=self.model.config)
         if problem:
@@ -139,28 +141,6 @@ class SwarmSync:
             return None
 
     # --- state ----------------------------------------------------------------------------------------------------
-    def _resumed_head(self, loop: TrainingLoop) -> Head:
-        """θ_0, or the certified state a resumed checkpoint holds. A checkpoint without a valid certificate for its
-        state still trains, but nobody adopts its state until a round certifies one."""
-        r, meta = self.replica, loop.resumed
-        if r.round == 0:
-            if r.state_hash() != self.genesis:
-                raise ValueError("the checkpoint at round 0 does not hold this run's θ_0 (another seed or task?)")
-            return Head(0, self.genesis)
-        raw = meta.get("certificate")
-        state_hash = r.state_hash()
-        if isinstance(raw, str):
-            try:
-                cert = Certificate.from_bytes(raw.encode())
-            except ValueError:
-                cert = None
-            if cert is not None and (cert.statement.round, cert.statement.new_hash) == (r.round, state_hash) and \
-                    not self.averager.chain.verify(cert):
-                return Head.of(cert)
-        logger.warning("the checkpoint's round %d has no valid certificate: training on, but no peer will adopt this "
-                       "state, and any certified state of the swarm replaces it", r.round)
-        return Head(r.round, state_hash, 0)  # no certified work: it never outranks a certified chain
-
     def publish_state(self, head: Head) -> None:
         """Serve and announce the certified state this peer now holds (not ready: its new round starts now)."""
         r = self.replica

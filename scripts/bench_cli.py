@@ -2,8 +2,8 @@
 --help and a mistyped flag. Each is timed as a fresh process, as a user runs it (the interpreter's start included),
 next to what every call paid before torch and hivemind were imported lazily: importing both.
 
-`peer --help` reads its flags' kinds and defaults from a cache (peer/cli_args.py); its first run after an edit
-under peer/ or protocol/ refills it, timed here once with an empty cache directory.
+Nothing is cached between calls: every parser is built from modules that import neither torch nor hivemind (the
+peer's flags from its config dataclasses), so each time here is what a first call after an install or an edit costs.
 """
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import argparse
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from scripts.bench_common import median, table, write_json
 
-TARGET_S = 1.5  # the issue's bar for `swarmloco --help` on the 2-core CI machine
+TARGET_S = 0.5  # the issue's bar for `swarmloco --help` and `swarmloco peer --help` on the 2-core CI machine
+TARGETS = ("swarmloco --help", "swarmloco peer --help")  # the calls the exit status answers for
 CALLS: tuple[tuple[str, ...], ...] = (
     ("--help",),
     ("peer", "--help"),
@@ -54,19 +54,15 @@ def run(args: argparse.Namespace) -> int:
     reps = 1 if args.quick else max(1, args.reps)
     script, env = _script(), dict(os.environ, OMP_NUM_THREADS="1")
     results: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as cache:  # a cache miss: the first `peer --help` after an edit
-        cold = _time([script, "peer", "--help"], dict(env, XDG_CACHE_HOME=cache), 1)
-    subprocess.run([script, "peer", "--help"], env=env, stdout=subprocess.DEVNULL, check=False)  # fill the cache
     for call in CALLS:
         results["swarmloco " + " ".join(call)] = median(_time([script, *call], env, reps))
-    results["swarmloco peer --help (empty cache)"] = cold[0]
     results["before: import torch, hivemind"] = median(
         _time([sys.executable, "-c", "import torch, hivemind"], env, reps))
     rows = [[name, f"{seconds:.2f}", "yes" if seconds < TARGET_S else "no"] for name, seconds in results.items()]
-    print(table(f"swarmloco answers without training (median of {reps}, fresh process each)",
+    print(table(f"swarmloco answers without training (median of {reps}, fresh process each, nothing cached)",
                 ["call", "seconds", f"< {TARGET_S} s"], rows,
                 notes=["`before` is what every call paid when the console script imported torch and hivemind "
                        "first (3.5-8 s on this 2-core machine under load)",
-                       "`empty cache` is the first `peer --help` after an edit under peer/ or protocol/"]))
+                       f"the exit status is 1 when {' or '.join(TARGETS)} misses the target"]))
     write_json(args.json, {"bench": "cli", "reps": reps, "target_s": TARGET_S, "seconds": results})
-    return 0 if results["swarmloco --help"] < TARGET_S else 1
+    return 0 if all(results[name] < TARGET_S for name in TARGETS) else 1

@@ -117,7 +117,7 @@ def plan_jobs(cfg: QualityConfig, hs: list[int], lrs: list[float], *, full_sweep
 def _replica(cfg: QualityConfig, shard: int, shards: int, batch: int, inner_steps: int, outer_lr: float) -> Any:
     from swarmloco.peer.config import RuntimeConfig, TrainConfig
     from swarmloco.peer.data import ShardSpec
-    from swarmloco.peer.outer import OuterConfig
+    from swarmloco.peer.outer_config import OuterConfig
     from swarmloco.peer.replica import Replica
     from swarmloco.peer.task import TaskContext, default_task
 

@@ -14,8 +14,6 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-MAKE_TEST_HINT = "`make test-fast` runs the unit tier (under a minute); `make test` everything (about 20 minutes)"
-
 
 @dataclass(frozen=True)
 class Command:

@@ -92,12 +92,6 @@ def tree_memory(pid: int) -> TreeMemory:
     return tree
 
 
-def self_rss_mb() -> float:
-    """This process's current RSS in MB (for import-cost breakdowns)."""
-    with open(f"/proc/{os.getpid()}/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 @dataclass
 class SwarmMemory:
     """Peak memory of a local swarm over repeated samples: the peers' trees plus what they share (a fork server)."""

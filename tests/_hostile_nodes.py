@@ -9,7 +9,8 @@ from swarm_harness import Swarm
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
 from swarmloco.protocol.base.wire import close_writer, read_frame, write_frame
 from swarmloco.protocol.chain.state_sync import state_handler
-from swarmloco.protocol.network.node import NetworkConfig, SwarmNode
+from swarmloco.protocol.network.config import NetworkConfig
+from swarmloco.protocol.network.node import SwarmNode
 from swarmloco.protocol.trust.admission import Credentials, Gate, Ticket
 from swarmloco.protocol.trust.identity import Identity, load_or_create_identity
 

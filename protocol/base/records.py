@@ -18,6 +18,7 @@ from typing import Any
 
 PROTOCOL_VERSION = 3
 MAX_CONFIG_JSON = 4096
+MAX_RECORD_TTL_S = 300.0  # a record lives at most this long past its signing: a silent peer drops out in minutes
 
 
 def peers_key(run_id: str) -> str:

@@ -20,9 +20,9 @@ from swarmloco.protocol.base.hashing import LEAF_BYTES, StateLayout, known_leave
 from swarmloco.protocol.base.hooks import Hooks
 from swarmloco.protocol.base.text import short_id
 from swarmloco.protocol.base.wire import WireError, close_writer, read_frame, write_frame
+from swarmloco.protocol.chain.config import FetchConfig
 from swarmloco.protocol.chain.state_transfer import (
     Channel,
-    FetchConfig,
     ServeLimits,
     StateSyncError,
     StreamChannel,
@@ -36,7 +36,7 @@ from swarmloco.protocol.network.transport import Transport
 from swarmloco.protocol.trust.admission import Credentials, Gate
 from swarmloco.protocol.trust.certificates import Certificate
 
-__all__ = ["FetchConfig", "ServeLimits", "ServedState", "StateServer", "StateSyncError", "download_state",
+__all__ = ["ServeLimits", "ServedState", "StateServer", "StateSyncError", "download_state",
            "fetch_certificate", "state_handler"]
 logger = logging.getLogger(__name__)
 

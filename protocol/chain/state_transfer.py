@@ -31,6 +31,7 @@ from swarmloco.protocol.base.hashing import DIGEST_BYTES, LEAF_BYTES, StateLayou
 from swarmloco.protocol.base.records import PROTOCOL_VERSION
 from swarmloco.protocol.base.text import bounded, short_id
 from swarmloco.protocol.base.wire import WireError, close_writer, read_frame, write_frame
+from swarmloco.protocol.chain.config import FetchConfig
 from swarmloco.protocol.network.data_hello import signer_of
 from swarmloco.protocol.network.data_plane import connect
 from swarmloco.protocol.network.transport import Transport
@@ -85,18 +86,6 @@ class ServeLimits:
 
 class TooSlow(WireError):
     """The joiner did not take a whole chunk within the chunk deadline."""
-
-
-@dataclass(frozen=True)
-class FetchConfig:
-    """The joiner's side: how many donors at once, how deep each pipeline, and every wait's bound."""
-
-    max_donors: int = 4
-    window: int = 4  # chunks requested ahead per donor
-    chunk_timeout_s: float = 20.0
-    connect_timeout_s: float = 3.0
-    control_timeout_s: float = 15.0
-    busy_retry_s: float = 1.0  # first pause before asking busy donors again (doubles, with jitter)
 
 
 class Channel(Protocol):

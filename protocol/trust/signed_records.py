@@ -20,14 +20,13 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from swarmloco.protocol.base.records import PeerRecord, peers_key, revocations_key
+from swarmloco.protocol.base.records import MAX_RECORD_TTL_S, PeerRecord, peers_key, revocations_key
 from swarmloco.protocol.base.text import short_id
 from swarmloco.protocol.trust.admission import Gate, Revocations
 from swarmloco.protocol.trust.identity import Identity, verify
 
 logger = logging.getLogger(__name__)
 _DOMAIN = b"swarmloco-record-v1\n"
-MAX_RECORD_TTL_S = 300.0  # a record lives at most this long past its signing: a silent peer drops out in minutes
 EXPIRY_SKEW_S = 30.0
 MAX_REVOCATION_TTL_S = 300.0  # a revocation list is kept this long past its signing (the authority re-signs it)
 

@@ -11,7 +11,8 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from swarmloco.protocol.base.records import PeerRecord, peers_key
-from swarmloco.protocol.network.node import NetworkConfig, SwarmNode
+from swarmloco.protocol.network.config import NetworkConfig
+from swarmloco.protocol.network.node import SwarmNode
 from swarmloco.protocol.round.averager import Averager
 from swarmloco.protocol.round.config import LocalModel, RoundConfig
 from swarmloco.protocol.round.matchmaking import Group

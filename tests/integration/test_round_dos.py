@@ -25,7 +25,8 @@ from swarmloco.peer.cli import build_replica
 from swarmloco.peer.config import build_config
 from swarmloco.peer.swarm_state import layout_of
 from swarmloco.protocol.base.records import PeerRecord
-from swarmloco.protocol.chain.state_sync import FetchConfig, StateSyncError, download_state
+from swarmloco.protocol.chain.config import FetchConfig
+from swarmloco.protocol.chain.state_sync import StateSyncError, download_state
 from swarmloco.protocol.network.node import SwarmNode
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]

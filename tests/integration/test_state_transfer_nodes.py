@@ -14,7 +14,8 @@ import torch
 
 from swarmloco.protocol.base.hashing import LEAF_BYTES, pack_state, state_hash, state_layout
 from swarmloco.protocol.base.hooks import Hooks
-from swarmloco.protocol.chain.state_sync import FetchConfig, ServedState, StateServer, StateSyncError, download_state
+from swarmloco.protocol.chain.config import FetchConfig
+from swarmloco.protocol.chain.state_sync import ServedState, StateServer, StateSyncError, download_state
 from swarmloco.protocol.network.data_plane import DataPlane
 from swarmloco.protocol.network.node import SwarmNode
 from tests.integration.test_protocol_nodes import _node

@@ -25,7 +25,7 @@ from swarmloco.peer.bootstrap import (
     wait_for_dht_peer,
 )
 from swarmloco.peer.config import BootstrapConfig, ConfigError, PeerConfig, RunConfig
-from swarmloco.protocol.network.node import NetworkConfig
+from swarmloco.protocol.network.config import NetworkConfig
 
 PEER_ID = "12D3KooWGjEaPBd3sRZdsyrNpvWDRFHdR3QX4cRAdWyTspxw87Yb"
 pytestmark = pytest.mark.timeout(60)

@@ -10,7 +10,7 @@ import torch
 from swarmloco.peer import checkpoint
 from swarmloco.peer.cli import build_replica
 from swarmloco.peer.config import PeerConfig, RunConfig, RuntimeConfig, TrainConfig
-from swarmloco.peer.outer import OuterConfig
+from swarmloco.peer.outer_config import OuterConfig
 from swarmloco.peer.solo import run_solo
 
 

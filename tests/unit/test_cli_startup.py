@@ -1,18 +1,18 @@
 """What the console script decides before anything heavy starts: the join command it prints, the flag table it
-builds from a cache, the command it blames for an unknown flag, and whether a port can be owned."""
+builds without importing torch or hivemind, the command it blames for an unknown flag, and whether a port can be
+owned."""
 from __future__ import annotations
 
 import argparse
-import json
 import socket
-from pathlib import Path
+import subprocess
+import sys
 
 import pytest
+from conftest import ROOT
 
 from swarmloco.cli import build_parser, parse
 from swarmloco.coordinator.cli import public_join
-from swarmloco.peer import cli_args
-from swarmloco.peer.config import option_spec
 from swarmloco.peer.options import OPTIONS
 from swarmloco.protocol.network.ports import port_taken, tcp_listen_addresses
 
@@ -36,15 +36,27 @@ def test_join_command_says_when_only_loopback_is_known() -> None:
     assert note is not None and "works on this machine only (--dht-host 127.0.0.1)" in note
 
 
-def test_cached_flag_table_matches_the_dataclasses(tmp_path: Path) -> None:
-    spec = cli_args.option_spec(cache_dir=tmp_path)
-    assert spec == option_spec() and set(spec["options"]) == {o.flag for o in OPTIONS}
-    cached = list(tmp_path.glob("peer-options-*.json"))
-    assert len(cached) == 1 and json.loads(cached[0].read_text()) == spec
-    assert spec["options"]["--inner-lr"] == {"kind": "value", "default": "0.0004"}
-    assert spec["options"]["--solo"]["kind"] == "bool" and spec["options"]["--initial-peer"]["kind"] == "list"
-    cached[0].write_text(json.dumps({**spec, "options": {}}))  # a table without every flag is not used
-    assert cli_args.option_spec(cache_dir=tmp_path) == spec
+def test_the_peer_parser_is_built_without_torch_or_hivemind() -> None:
+    # a fresh interpreter: this test process has long imported both
+    code = ("import sys; from swarmloco.cli import build_parser; "
+            "build_parser(['peer', '--help']).parse_args(['peer', '--max-steps', '3']); "
+            "heavy = sorted(m for m in ('torch', 'hivemind') if m in sys.modules); "
+            "assert not heavy, f'building the peer parser imported {heavy}'")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_flag_kinds_and_defaults_come_from_the_dataclasses() -> None:
+    sub = next(a for a in build_parser(["peer"])._actions if isinstance(a, argparse._SubParsersAction))
+    actions = {a.option_strings[0]: a for a in sub.choices["peer"]._actions if a.option_strings}
+    assert {o.flag for o in OPTIONS} | {"-h", "--config"} == set(actions)
+    assert isinstance(actions["--solo"], argparse.BooleanOptionalAction)  # a bool field: --solo / --no-solo
+    assert isinstance(actions["--initial-peer"], argparse._AppendAction)  # a tuple field: the flag repeats
+    assert actions["--shard-index"].metavar == "N|auto"
+    assert "(default: 0.0004)" in (actions["--inner-lr"].help or "")
+    assert "(default: /ip4/0.0.0.0/tcp/0)" in (actions["--host-maddr"].help or "")
+    assert all(a.default is None for flag, a in actions.items() if flag != "-h")  # given flags only count
 
 
 def test_help_shows_defaults_and_unknown_flags_blame_the_command(capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from swarmloco.peer.cli_args import add_arguments
 from swarmloco.peer.config import (
     SECTIONS,
     BudgetConfig,
     ConfigError,
     PeerConfig,
     RunConfig,
-    add_arguments,
     build_config,
     check_env,
 )

@@ -5,7 +5,8 @@ import torch
 
 from swarmloco.peer.config import RuntimeConfig, TrainConfig
 from swarmloco.peer.model import GPT, GPTConfig
-from swarmloco.peer.outer import OuterConfig, outer_step
+from swarmloco.peer.outer import outer_step
+from swarmloco.peer.outer_config import OuterConfig
 from swarmloco.peer.replica import Replica
 from swarmloco.peer.task import Task, lm_loss
 

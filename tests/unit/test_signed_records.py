@@ -8,11 +8,10 @@ import pytest
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from swarmloco.protocol.base.records import PeerRecord, peers_key, revocations_key
+from swarmloco.protocol.base.records import MAX_RECORD_TTL_S, PeerRecord, peers_key, revocations_key
 from swarmloco.protocol.trust.admission import Gate, Revocations, Ticket
 from swarmloco.protocol.trust.identity import Identity
 from swarmloco.protocol.trust.signed_records import (
-    MAX_RECORD_TTL_S,
     RecordError,
     RunValidator,
     key_id,

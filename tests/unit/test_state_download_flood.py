@@ -18,8 +18,8 @@ import torch
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
 from swarmloco.protocol.base.hashing import LEAF_BYTES, hash_tensors, state_layout
 from swarmloco.protocol.base.wire import close_writer, read_frame, write_frame
+from swarmloco.protocol.chain.config import FetchConfig
 from swarmloco.protocol.chain.state_sync import (
-    FetchConfig,
     ServedState,
     ServeLimits,
     StateServer,

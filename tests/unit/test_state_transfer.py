@@ -15,8 +15,8 @@ from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
 from swarmloco.protocol.base.hashing import LEAF_BYTES, StateLayout, hash_tensors, state_layout
 from swarmloco.protocol.base.hooks import Hooks
 from swarmloco.protocol.base.wire import close_writer, read_frame, write_frame
+from swarmloco.protocol.chain.config import FetchConfig
 from swarmloco.protocol.chain.state_sync import (
-    FetchConfig,
     ServedState,
     ServeLimits,
     StateServer,
