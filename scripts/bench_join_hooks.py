@@ -50,7 +50,8 @@ def join_seconds(preset: str, donors: int) -> float:
     """Seconds from the joiner's first request to holding the donors' state, every chunk hash-verified."""
     from swarmloco.peer.model import GPT, PRESETS
     from swarmloco.protocol.base.hashing import state_layout
-    from swarmloco.protocol.chain.state_sync import FetchConfig, download_state
+    from swarmloco.protocol.chain.config import FetchConfig
+    from swarmloco.protocol.chain.state_sync import download_state
 
     ctx = mp.get_context("spawn")
     queue, stop = ctx.Queue(), ctx.Event()

@@ -31,7 +31,8 @@ def bench_node(index: int, run_id: str, bootstrap: list[str], *, host: str = "12
     The protocol is imported here, not at module level, so a benchmark's parent process that only reads tables
     never pays for torch and hivemind.
     """
-    from swarmloco.protocol.network.node import NetworkConfig, SwarmNode
+    from swarmloco.protocol.network.config import NetworkConfig
+    from swarmloco.protocol.network.node import SwarmNode
     from swarmloco.protocol.trust.admission import Credentials, Gate
     from swarmloco.protocol.trust.identity import load_or_create_identity
 
