@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install demo solo test test-fast clean
+.PHONY: install demo solo test test-fast bench-smoke clean
 
 $(BIN)/swarmloco: pyproject.toml
 	@echo "installing swarmloco and its dependencies (torch, hivemind, ...) into $(VENV)/: about 3 minutes the first time"
@@ -27,6 +27,10 @@ test: install
 
 test-fast: install
 	$(BIN)/python -m pytest -q tests/unit
+
+bench-smoke: install
+	@echo "every benchmark once at its smallest size: about 3 minutes on 2 cores"
+	$(BIN)/python -m pytest -q -m bench_smoke tests/integration/test_bench_quick.py
 
 clean:
 	rm -rf runs .pytest_cache

@@ -9,6 +9,8 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
+from swarmloco.protocol.base.text import short_id
+
 logger = logging.getLogger(__name__)
 PEER_ID_PREFIXES = ("12D3KooW", "Qm")  # libp2p ids of an Ed25519 and of an RSA key
 
@@ -77,7 +79,7 @@ def _short(value: Any) -> Any:
     if isinstance(value, (list, tuple, dict, set)):
         return len(value)
     if isinstance(value, str) and value.startswith(PEER_ID_PREFIXES) and len(value) > 40:
-        return "…" + value[-8:]
+        return "…" + short_id(value)
     return value
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import requests
 
+from swarmloco.protocol.base.text import bounded
 from swarmloco.protocol.trust.identity import Identity
 from swarmloco.protocol.trust.reports import Report, ReportError, build_report
 
@@ -165,7 +166,7 @@ class ReportSender:
     def close(self, timeout: float = 5.0, *, reason: str | None = "shutdown") -> int:
         """Send a ``bye`` report, deliver what is queued within ``timeout`` seconds, stop; returns reports left."""
         if reason is not None and self._thread is not None:
-            self._submit("bye", {"reason": reason[:200]})
+            self._submit("bye", {"reason": bounded(reason, 200)})
         with self._cond:
             self._closing = True
             self._retry_now = True
@@ -290,5 +291,5 @@ class ReportSender:
         self._warned_unreachable = False  # reachable again: warn again if it goes away
         if 400 <= resp.status_code < 500 and resp.status_code not in _RETRYABLE_4XX:
             logger.warning("coordinator refused %s report %s: %d %s", report.kind, report.nonce, resp.status_code,
-                           resp.text[:300])
+                           bounded(resp.text))
         return resp.status_code

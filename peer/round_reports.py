@@ -10,6 +10,7 @@ import torch
 
 from swarmloco.peer.replica import Replica
 from swarmloco.protocol.base.outcome import Outcome
+from swarmloco.protocol.base.text import short_hash
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class RoundReports:
         if len(weights) != len(members):
             weights = [0] * len(members)
         reason = entry.get("reason") or (
-            f"state hash differs from leader's {entry['leader_hash'][:16]}" if "leader_hash" in entry else None
+            f"state hash differs from leader's {short_hash(entry['leader_hash'])}" if "leader_hash" in entry else None
         )
         self.reporter.report_round(
             round=int(entry.get("round", 0)),

@@ -42,6 +42,7 @@ from swarmloco.protocol.base.hashing import known_leaves
 from swarmloco.protocol.base.hooks import Hooks
 from swarmloco.protocol.base.outcome import Outcome
 from swarmloco.protocol.base.records import PeerRecord
+from swarmloco.protocol.base.text import short_hash
 from swarmloco.protocol.chain.config import FetchConfig
 from swarmloco.protocol.chain.forks import Behind
 from swarmloco.protocol.chain.state_sync import ServedState, StateServer, StateSyncError, download_state
@@ -193,7 +194,7 @@ class SwarmSync:
         self.loop.progress.event(
             "resync",
             round=target.round,
-            state_hash=target.state_hash[:16],
+            state_hash=short_hash(target.state_hash),
             kept_progress=keep,
             failures=bad,
             seconds=round_float(time.perf_counter() - started),
@@ -343,7 +344,7 @@ class SwarmSync:
             self._measured_hello = True
             self.reports.hello(self.replica, tokens_per_s=self.loop.progress.tokens_per_second())
         shown = {
-            k: (v[:16] if k == "state_hash" else v)
+            k: (short_hash(v) if k == "state_hash" else v)
             for k, v in entry.items()
             if k not in ("members", "weights", "excluded")
         }

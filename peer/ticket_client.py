@@ -15,6 +15,7 @@ from typing import Any
 import requests
 import urllib3
 
+from swarmloco.protocol.base.text import bounded
 from swarmloco.protocol.trust.admission import POLICIES, AdmissionError, Ticket
 from swarmloco.protocol.trust.identity import Identity, public_key_from_peer_id
 from swarmloco.protocol.trust.ticket_request import build_ticket_request
@@ -36,7 +37,7 @@ def _error_text(status: int, blob: bytes) -> str:
         body = None
     text = body.get("error") if isinstance(body, dict) else None
     text = str(text) if text else blob.decode("utf-8", errors="replace") or f"HTTP {status}"
-    return " ".join(text.split())[:300]
+    return bounded(" ".join(text.split()))
 
 
 def _call(method: str, url: str, path: str, what: str, *, timeout: float, data: bytes | None = None
@@ -49,7 +50,7 @@ def _call(method: str, url: str, path: str, what: str, *, timeout: float, data: 
             blob = resp.raw.read(MAX_ANSWER_BYTES + 1, decode_content=True)
             status = resp.status_code
     except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as e:
-        raise TicketError(f"coordinator unreachable at {target}: {type(e).__name__}: {str(e)[:200]}") from None
+        raise TicketError(f"coordinator unreachable at {target}: {type(e).__name__}: {bounded(str(e), 200)}") from None
     if len(blob) > MAX_ANSWER_BYTES:
         raise TicketError(f"coordinator answered {what} with more than {MAX_ANSWER_BYTES} bytes")
     return status, blob

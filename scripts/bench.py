@@ -10,7 +10,7 @@ Subcommands (each prints a markdown table of ratios measured side by side in one
   codecs       encode/decode throughput of every codec, now vs before vectorising, vs a loopback send
   scale        round overhead (matchmaking, exchange, commit) and memory per peer for 2 .. 32 local peers
   cli          seconds until the console script answers --help or a mistyped flag (target: under 1.5 s)
-The logic lives in scripts/bench_<name>.py; `--quick` shrinks every size for a CI smoke test.
+The logic lives in scripts/bench_<name>.py; `--quick` shrinks every size for the smoke test (`make bench-smoke`).
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
-        p.add_argument("--quick", action="store_true", help="tiny sizes for a CI smoke test (checks sanity, not speed)")
+        p.add_argument("--quick", action="store_true", help="tiny sizes for the smoke test (checks sanity, not speed)")
         importlib.import_module(module_name).add_arguments(p)
         p.set_defaults(_module=module_name)
     return parser

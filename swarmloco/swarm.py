@@ -23,6 +23,7 @@ from typing import Any
 
 from swarmloco.proc_memory import SwarmMemory
 from swarmloco.protocol.base.outcome import Outcome
+from swarmloco.protocol.base.text import short_hash
 from swarmloco.protocol.trust.identity import load_or_create_identity
 from swarmloco.swarm_procs import (
     PeerProc,
@@ -211,7 +212,7 @@ class Swarm:
                         self.best_round = int(e["round"])
                         last_progress = time.monotonic()
                         print(f"round {self.best_round}/{args.rounds} committed by {e.get('member_count')} peers"
-                              f" | eval loss {e.get('eval_loss')} | hash {str(e.get('state_hash'))[:12]}"
+                              f" | eval loss {e.get('eval_loss')} | hash {short_hash(str(e.get('state_hash')))}"
                               f" | train {e.get('train_s')}s wait {e.get('wait_s')}s average {e.get('average_s')}s"
                               f" | {time.monotonic() - self.started:.0f}s", flush=True)
             if self.best_round < args.rounds and time.monotonic() - last_progress >= PROGRESS_EVERY_S:

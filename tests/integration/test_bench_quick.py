@@ -17,6 +17,8 @@ import pytest
 
 from swarmloco.proc_memory import descendants
 
+pytestmark = pytest.mark.bench_smoke  # run by `make bench-smoke`, not by `make test`
+
 ROOT = Path(__file__).resolve().parents[2]
 LN256 = math.log(256)
 
