@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 MAX_VERDICTS = 512
 MAX_CLAIMS_CHECKED = 3  # per look: the best few claims (each costs at most one small request per claimant tried)
 MAX_CLAIMANTS_ASKED = 2
+MAX_CHECKS_IN_FLIGHT = 4  # background certificate checks at once, however many peers claim a newer state
 DISTRUST_S = 60.0  # a claimant that served an invalid certificate is not asked again for this long
 UNREACHABLE_S = 30.0  # nor one that did not answer in time (a hanging claimant stalls every look it is asked in)
 
@@ -43,6 +44,9 @@ class Chain:
         self._verdicts: OrderedDict[tuple[int, str], Certificate] = OrderedDict()
         self._distrust: dict[str, float] = {}  # peer -> until when we do not ask it for certificates
         self._liars: dict[str, float] = {}  # peer -> until when it is not counted: it could not back its claim
+        self._checks: dict[tuple[int, str], asyncio.Task[None]] = {}  # claims whose certificate is being fetched
+        # claims whose claimant served the certificate of a newer state instead: that state, and who served it
+        self._moved: OrderedDict[tuple[int, str], tuple[Certificate, str]] = OrderedDict()
 
     def set_head(self, head: Head) -> None:
         self.head = head
@@ -68,28 +72,57 @@ class Chain:
         now = time.monotonic()
         return {p: r for p, r in records.items() if self._liars.get(p, 0.0) <= now}
 
-    async def target(self, records: Mapping[str, PeerRecord]) -> Behind | None:
-        """The best verified state that outranks ours, fetching certificates of the best few claims if needed; None
-        when nothing could be verified within a few control timeouts (claimants that do not answer are skipped)."""
-        try:
-            return await asyncio.wait_for(self._target(records), 3 * self.control_timeout)
-        except TimeoutError:
-            return None
+    async def target(self, records: Mapping[str, PeerRecord], *, wait: float | None = None) -> Behind | None:
+        """The best verified state that outranks ours, or None.
 
-    async def _target(self, records: Mapping[str, PeerRecord]) -> Behind | None:
-        for claim in self._claims(records)[:MAX_CLAIMS_CHECKED]:
-            verdict = self._verdicts.get((claim.round, claim.state_hash))
-            if verdict is None:
-                verdict, donor = await self._fetch_verdict(claim)
-                if verdict is not None and (verdict.statement.round, verdict.statement.new_hash) != (
-                        claim.round, claim.state_hash):
-                    # The claimant moved on since its record was read: its newer certified state is as good.
-                    s = verdict.statement
-                    claim = StateClaim(round=s.round, state_hash=s.new_hash, work=s.work, donors=(donor,))
+        The certificates of the best few claims not verified yet are fetched in the background, at most one check
+        per claim and `MAX_CHECKS_IN_FLIGHT` in all; a claimant that failed to answer or to back its claim is not
+        asked again for a while. `wait`: how long to wait for those checks before answering with what is verified
+        (None: three control timeouts). Matchmaking passes 0, so a stranger's claim, answered or not, never delays
+        leading, joining or the exchange: a claim verified in the background is acted on at the next look."""
+        claims = self._claims(records)[:MAX_CLAIMS_CHECKED]
+        checks = [task for claim in claims if (task := self._check(claim)) is not None]
+        wait = 3 * self.control_timeout if wait is None else wait
+        if checks and wait > 0:
+            await asyncio.wait(checks, timeout=wait)
+        for claim in claims:
+            verdict, claim = self._verified(claim)
             behind = self._accept(claim, verdict, records)
             if behind is not None:
                 return behind
         return None
+
+    def _check(self, claim: StateClaim) -> asyncio.Task[None] | None:
+        """The background check of a claim not verified yet (started here if none runs and there is room)."""
+        key = (claim.round, claim.state_hash)
+        if key in self._verdicts or key in self._moved:
+            return None
+        if key not in self._checks and len(self._checks) < MAX_CHECKS_IN_FLIGHT:
+            task = asyncio.get_running_loop().create_task(self._run_check(key, claim))
+            self._checks[key] = task
+            task.add_done_callback(lambda _, key=key: self._checks.pop(key, None))
+        return self._checks.get(key)
+
+    async def _run_check(self, key: tuple[int, str], claim: StateClaim) -> None:
+        verdict, donor = await self._fetch_verdict(claim)
+        if verdict is not None and (verdict.statement.round, verdict.statement.new_hash) != key:
+            # The claimant moved on since its record was read: its newer certified state is as good.
+            self._moved[key] = (verdict, donor)
+            while len(self._moved) > MAX_VERDICTS:
+                self._moved.popitem(last=False)
+
+    def _verified(self, claim: StateClaim) -> tuple[Certificate | None, StateClaim]:
+        """The verified certificate behind a claim (None if there is none yet), and the claim it proves: the
+        claimant's newer state when it had moved on."""
+        key = (claim.round, claim.state_hash)
+        verdict = self._verdicts.get(key)
+        if verdict is not None or key not in self._moved:
+            return verdict, claim
+        verdict, donor = self._moved[key]
+        s, h = verdict.statement, self.head
+        if not outranks((s.work, s.round, s.new_hash), (h.work, h.round, h.state_hash)):
+            return None, claim
+        return verdict, StateClaim(round=s.round, state_hash=s.new_hash, work=s.work, donors=(donor,))
 
     # --- internals ------------------------------------------------------------------------------------------------
     def _claims(self, records: Mapping[str, PeerRecord]) -> list[StateClaim]:

@@ -120,7 +120,7 @@ class Matchmaker:
                     continue
                 records = compatible(found, self.model.fingerprint)
                 if not (self._collect is not None and self._collect.members):
-                    target = await self.chain.target(records)
+                    target = await self.chain.target(records, wait=0)  # checks run in the background
                     if target is not None:
                         self._abandon()
                         return target

@@ -41,12 +41,12 @@ def net() -> Iterator[FakeNetwork]:
         yield n
 
 
-def _admitted(net: FakeNetwork, n: int, *, quorum: int) -> list[Averager]:
+def _admitted(net: FakeNetwork, n: int, *, quorum: int, **cfg: object) -> list[Averager]:
     """Peers of a permissioned run: each holds a ticket from AUTHORITY and checks everyone else's."""
     out = []
     for _ in range(n):
         transport = _ticketed(net.peer())
-        averager = averager_for(transport, quorum=quorum, gate=Gate(transport.run_id, AUTHORITY.peer_id))
+        averager = averager_for(transport, quorum=quorum, gate=Gate(transport.run_id, AUTHORITY.peer_id), **cfg)
         announce(transport)
         out.append(averager)
     return out
@@ -269,3 +269,28 @@ def test_claimants_too_slow_to_back_their_claims_do_not_raise_the_majority(net: 
     results, _ = _round_of(honest)
     assert [r.outcome for r in results] == [Outcome.COMMITTED] * 3
     assert {r.certificate.statement.swarm for r in results} == {3}  # type: ignore[union-attr]
+
+
+def test_silent_claimants_never_delay_forming_a_group(net: FakeNetwork) -> None:
+    """Three admitted peers claim a newer state and never answer a certificate request. Their claims are checked in
+    the background: the honest peers form their group and commit while every one of those requests is still
+    waiting for its answer (a look that waited on them would have sat out a 10 s control timeout first)."""
+    honest = _admitted(net, 3, quorum=3, control_timeout_s=10, round_timeout_s=30)
+    asked: list[str] = []
+    given_up: list[str] = []
+
+    async def silent(caller: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        asked.append(caller)
+        while await reader.read(1 << 12):  # the asker gives up by closing its end
+            pass
+        given_up.append(caller)
+
+    for i in range(3):
+        claimant = _ticketed(net.peer())
+        net.call(claimant.add_handler(state_handler(claimant.run_id), silent), timeout=5)
+        announce(claimant, 1000 + i, f"{i}" * 64, work=10**12, ready=False)
+    results, _ = _round_of(honest)
+    assert [r.outcome for r in results] == [Outcome.COMMITTED] * 3, [r.reason for r in results]
+    assert asked, "the claims were never checked"
+    assert not given_up, f"{len(given_up)} certificate request(s) timed out before the group committed"
+
