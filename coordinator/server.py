@@ -114,16 +114,17 @@ class CoordinatorServer:
         """Start the DHT bootstrap node (idempotent); afterwards :meth:`info` lists its multiaddrs."""
         if self.dht is not None:
             return
-        import hivemind  # heavy; only when the bootstrap node is wanted
-
+        from swarmloco.protocol.network.dht_host import LocalDHT  # heavy (hivemind); only when the node is wanted
         from swarmloco.protocol.trust.signed_records import RunValidator
 
         # The bootstrap node checks what it stores like every peer does: signed records with tickets only.
         authority = None if self.service.authority.mode == "none" else self.identity.peer_id
         validator = RunValidator(self.config.service.run_id, authority)
-        self.dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{self.config.dht_host}/tcp/{self.config.dht_port}"],
-                                identity_path=str(self.identity_path), check_if_identity_free=False,
-                                record_validators=[validator])
+        # On a thread of this process, not hivemind.DHT's forked child: a fork left torch's shared-memory manager
+        # behind, in a session of its own, whenever the coordinator was killed.
+        self.dht = LocalDHT.on_own_thread(
+            name="coordinator-dht", host_maddrs=[f"/ip4/{self.config.dht_host}/tcp/{self.config.dht_port}"],
+            identity_path=str(self.identity_path), check_if_identity_free=False, record_validators=[validator])
         self.dht_peer_id = self.dht.peer_id.to_base58()
         if self.dht_peer_id != self.identity.peer_id:
             logger.warning("DHT peer id %s differs from identity %s", self.dht_peer_id, self.identity.peer_id)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -29,6 +30,7 @@ class LocalDHT:
         self.node, self.loop, self._maddrs = node, loop, maddrs
         self._replica: P2P | None = None
         self._closed = False
+        self._own_thread: threading.Thread | None = None  # set when the node runs on a loop thread of its own
 
     @classmethod
     async def create(cls, *, record_validators: Iterable[RecordValidatorBase] = (), **kwargs: Any) -> LocalDHT:
@@ -37,6 +39,23 @@ class LocalDHT:
         # Addresses are read once: the sync accessor below is also called on the loop thread, which must not wait
         # on itself, and hivemind's own DHT answers the same cached list unless asked for the latest.
         return cls(node, asyncio.get_running_loop(), await node.get_visible_maddrs())
+
+    @classmethod
+    def on_own_thread(cls, *, name: str = "dht", timeout: float = 60.0, **kwargs: Any) -> LocalDHT:
+        """Start the node on a new loop thread, for a process that has no event loop to lend it (the coordinator's
+        bootstrap node): no forked child, unlike `hivemind.DHT`, so nothing (not even torch's shared-memory
+        manager, which the fork starts) outlives the process. `shutdown` also ends that thread."""
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name=name, daemon=True)
+        thread.start()
+        try:
+            dht = asyncio.run_coroutine_threadsafe(cls.create(**kwargs), loop).result(timeout)
+        except BaseException:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(5)
+            raise
+        dht._own_thread = thread
+        return dht
 
     @property
     def peer_id(self) -> PeerID:
@@ -81,3 +100,7 @@ class LocalDHT:
             asyncio.run_coroutine_threadsafe(self.aclose(), self.loop).result(timeout=15)
         except (concurrent.futures.TimeoutError, RuntimeError) as exc:
             logger.warning("the DHT node did not stop cleanly: %r", exc)
+        finally:
+            if self._own_thread is not None:
+                self.loop.call_soon_threadsafe(self.loop.stop)
+                self._own_thread.join(5)
