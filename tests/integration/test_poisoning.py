@@ -4,9 +4,9 @@ the project's own code (a `SWARMLOCO_FAULTS` fault injector), admitted like the 
 - Δ × −1000 and a random Δ 1000× as long, each claiming 1000× the tokens, every round: with the robust aggregator
   the honest peers' final eval loss stays within 5% of a clean run of the same settings; with the plain mean (the
   control) it does not.
-- A reducer that signs and sends −(its true shard), one that sends noise 1000× as long, and one that sends half
-  the members a different shard than the others: no round with its result is certified, the honest peers ban it,
-  and later rounds commit without it.
+- A reducer that signs and sends −(its true shard): no round with its result is certified, the honest peers ban
+  it, and later rounds commit without it. (Noise 1000× as long, and different shards for different members, are
+  covered with the same one in tests/unit/test_robust_rounds.py, on the in-memory transport.)
 
 On the code before signed results, audits and robust aggregation, the poisoned runs end with an eval loss many
 times the clean one (or a NaN), and the cheating reducers' shards are committed.
@@ -89,9 +89,10 @@ def test_plain_mean_is_poisoned_the_control(swarm: Swarm, clean: float) -> None:
     assert crashed or not all(math.isfinite(x) for x in losses) or min(losses) > 1.5 * clean, (losses, clean)
 
 
-@pytest.mark.parametrize("cheat", ["flip", "equivocate"])  # (noise1000: tests/unit/test_robust_rounds.py)
-def test_a_cheating_reducer_is_never_certified_and_is_banned(swarm: Swarm, cheat: str) -> None:
-    run = _run(swarm, faults=f"reduce={cheat}@*")
+def test_a_cheating_reducer_is_never_certified_and_is_banned(swarm: Swarm) -> None:
+    """One real-process case (a reducer that flips its result); flip, noise1000 and equivocate are each covered on
+    the in-memory transport (tests/unit/test_robust_rounds.py)."""
+    run = _run(swarm, faults="reduce=flip@*")
     hostile = run["hostile"]
     assert all(c == 0 for c in run["codes"].values()), swarm.tails()
     for name in HONEST:

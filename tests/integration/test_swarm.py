@@ -176,13 +176,12 @@ def test_incompatible_peer_is_refused_with_reason(swarm: Swarm) -> None:
     assert swarm.wait_exit(200) == {"a": 0, "b": 0, "other": 3}
 
 
-@pytest.mark.parametrize(
-    "fault,reason",
-    [("nan", "malformed part"), ("wrong_numel", "elements, model has"), ("zero_tokens", "token weight 0")],
-)
-def test_bad_sender_excluded_round_succeeds(swarm: Swarm, fault: str, reason: str) -> None:
-    """NaN, wrong shape or a zero weight: the sender is excluded (a wrong size or weight from its claim, NaN parts
-    by every reducer, settled by the leader), and the round still commits for everyone else."""
+def test_bad_sender_excluded_round_succeeds(swarm: Swarm) -> None:
+    """NaN parts: every reducer refuses its part, the leader settles the contributors without the sender, and the
+    round still commits for everyone else. One real-process case; the other malformed contributions (wrong size,
+    zero weight: refused at the claim) are covered on the in-memory transport (tests/unit/test_rounds.py,
+    tests/unit/test_sharded_rounds.py)."""
+    fault, reason = "nan", "malformed part"
     (_, low), (_, mid), (bad_id, high) = swarm.identities(3)
     swarm.start("a", identity=low, rounds=2, wait_for=3)
     swarm.start("b", identity=mid, rounds=2, wait_for=3)
