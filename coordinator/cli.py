@@ -28,14 +28,13 @@ from swarmloco.coordinator.revocation_cli import add_revocation_commands, run_re
 from swarmloco.protocol.base.text import bounded, short_hash
 from swarmloco.protocol.network.ports import port_taken
 from swarmloco.protocol.trust.admission import POLICIES, AdmissionPolicy, load_allowlist
+from swarmloco.protocol.trust.ticket_request import MAX_INVITE_CHARS  # a longer code could never be presented
 
 __all__ = ["add_coordinator_arguments", "add_status_arguments", "admission_policy", "run_coordinator", "run_status"]
 
 logger = logging.getLogger(__name__)
 
 MAX_INVITE_FILE_BYTES = 1024 * 1024
-# ticket_request.MAX_INVITE_CHARS (swarmloco.protocol.trust): a longer code could never be presented
-MAX_INVITE_CODE_CHARS = 256
 
 
 def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,9 +98,9 @@ def _invite_codes(args: argparse.Namespace) -> frozenset[str]:
             raise ValueError(f"--invite-file {args.invite_file} is larger than {MAX_INVITE_FILE_BYTES} bytes")
         codes += [line.strip() for line in blob.decode("utf-8", errors="strict").splitlines()]
     codes = [c for c in codes if c]
-    long = [c for c in codes if len(c) > MAX_INVITE_CODE_CHARS]
+    long = [c for c in codes if len(c) > MAX_INVITE_CHARS]
     if long:
-        raise ValueError(f"invite codes must be at most {MAX_INVITE_CODE_CHARS} chars; one has {len(long[0])}")
+        raise ValueError(f"invite codes must be at most {MAX_INVITE_CHARS} chars; one has {len(long[0])}")
     return frozenset(codes)
 
 

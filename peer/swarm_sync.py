@@ -48,7 +48,7 @@ from swarmloco.protocol.chain.forks import Behind
 from swarmloco.protocol.chain.state_sync import ServedState, StateServer, StateSyncError, download_state
 from swarmloco.protocol.network.node import SwarmNode
 from swarmloco.protocol.round.averager import Averager, Contribution, RoundResult
-from swarmloco.protocol.round.matchmaking import Group, RoundAborted
+from swarmloco.protocol.round.groups import Group, RoundAborted
 from swarmloco.protocol.round.rules import compatibility_problem, compatible, group_forming
 from swarmloco.protocol.trust.certificates import Certificate, Head
 from swarmloco.protocol.trust.identity import load_or_create_identity
@@ -232,7 +232,7 @@ class SwarmSync:
 
     async def _look(self) -> tuple[dict[str, PeerRecord], Behind | None]:
         records = compatible(await self.node.fetch_records(timeout=RECORDS_TIMEOUT_S / 3), self.model.fingerprint)
-        return records, await self.averager.chain.target(records)
+        return records, await self.averager.chain.target(records, wait=0)  # verified claims: at the next look
 
     def round(self, loop: TrainingLoop) -> None:
         r = loop.replica

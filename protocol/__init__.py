@@ -1,7 +1,7 @@
 """The swarm protocol, in layers; a module imports only from its own layer and the layers below it:
 
-base     the wire schema (.proto) and its framing, DHT record layout, tensor codecs, state hashing, outcomes,
-         the test harness's hook interface
+base     the wire schema (.proto) and its framing, DHT record layout, tensor codecs and their names, state
+         hashing, outcomes, short ids and bounded reasons (text.py), the test harness's hook interface
 trust    identities and signatures, admission tickets, signed records and reports, signed payloads, certificates
 network  the Transport interface and its hivemind implementation, DHT hosting, the direct TCP data plane
 chain    this peer's certified head, fork choice, serving and pulling verified state

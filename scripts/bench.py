@@ -9,7 +9,7 @@ Subcommands (each prints a markdown table of ratios measured side by side in one
   trust        certified rounds: certification vs exchange time per round, and the cost of each offline check
   codecs       encode/decode throughput of every codec, now vs before vectorising, vs a loopback send
   scale        round overhead (matchmaking, exchange, commit) and memory per peer for 2 .. 32 local peers
-  cli          seconds until the console script answers --help or a mistyped flag (target: under 1.5 s)
+  cli          seconds until the console script answers --help or a mistyped flag (target: under 0.5 s)
 The logic lives in scripts/bench_<name>.py; `--quick` shrinks every size for the smoke test (`make bench-smoke`).
 """
 from __future__ import annotations

@@ -17,7 +17,7 @@ from typing import Any
 
 from scripts.bench_common import median, table, write_json
 
-TARGET_S = 0.5  # the bar for `swarmloco --help` and `swarmloco peer --help` on the 2-core CI machine
+TARGET_S = 0.5  # the bar for `swarmloco --help` and `swarmloco peer --help` on the 2-core CI machine
 TARGETS = ("swarmloco --help", "swarmloco peer --help")  # the calls the exit status answers for
 CALLS: tuple[tuple[str, ...], ...] = (
     ("--help",),

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from swarmloco.proc_memory import descendants as descendants  # one /proc walker for benchmarks and tests
+from swarmloco.proc_memory import descendants  # the launcher's /proc walker, for the benchmarks too
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,6 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-
 @dataclass
 class ProcMemory:
     pid: int

@@ -129,9 +129,7 @@ class Swarm:
         self.args, self.slowdowns = args, slowdowns
         self.root = Path(args.workdir)
         self.threads = args.threads or max(1, (os.cpu_count() or 2) // args.peers)
-        self.env = dict(os.environ, OMP_NUM_THREADS=str(self.threads),
-                        PYTHONPATH=str(Path(__file__).resolve().parents[1]) + os.pathsep
-                        + os.environ.get("PYTHONPATH", ""))
+        self.env = dict(os.environ, OMP_NUM_THREADS=str(self.threads))
         for key, value in LEAN_ENV.items():
             self.env.setdefault(key, value)
         self.coordinator: subprocess.Popen[bytes] | None = None
@@ -151,9 +149,9 @@ class Swarm:
             url = info["url"]
             print(f"coordinator: dashboard at {url}/  (API {url}/api/rounds, metrics {url}/metrics)", flush=True)
             return list(info["dht_maddrs"]), url
-        import hivemind
+        from swarmloco.protocol.network.dht_host import LocalDHT  # a thread of ours: no forked child to outlive us
 
-        self.bootstrap_dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        self.bootstrap_dht = LocalDHT.on_own_thread(name="bootstrap-dht", host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         return [str(m) for m in self.bootstrap_dht.get_visible_maddrs()], args.coordinator
 
     def start_peers(self, bootstrap: list[str], coordinator_url: str | None) -> None:

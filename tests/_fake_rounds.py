@@ -14,7 +14,7 @@ from swarmloco.protocol.base.records import PROTOCOL_VERSION, PeerRecord
 from swarmloco.protocol.chain.state_sync import ServedState, StateServer
 from swarmloco.protocol.round.averager import Averager, Contribution, RoundResult
 from swarmloco.protocol.round.config import LocalModel, RoundConfig
-from swarmloco.protocol.round.matchmaking import Group
+from swarmloco.protocol.round.groups import Group
 from swarmloco.protocol.round.rules import leader_rank
 from swarmloco.protocol.testing.fake import FakeNetwork, FakeTransport
 from swarmloco.protocol.trust.admission import Gate

@@ -5,7 +5,7 @@
 const REFRESH_MS = 2000;
 const PAGE = 1000;
 const MAX_PAGES_PER_REFRESH = 20;
-// The round outcomes peers report (protocol/outcome.py); anything else is drawn grey.
+// The round outcomes peers report (protocol/base/outcome.py); anything else is drawn grey.
 const OUTCOME_COLORS = { committed: "#2e9d5b", discarded: "#d08a1c", mismatch: "#c83a3a", behind: "#888888" };
 const PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
                  "#bcbd22", "#17becf"];

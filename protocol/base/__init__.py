@@ -1,1 +1,2 @@
-"""Bottom layer: the wire schema and framing, DHT record layout, tensor codecs, state hashing, outcomes, hooks."""
+"""Bottom layer: the wire schema and framing, DHT record layout, tensor codecs (and their names, torch-free),
+state hashing, outcomes, short ids and bounded reasons, the hook interface a test harness steps in through."""

@@ -31,7 +31,7 @@ MAX_CLAIMS_CHECKED = 3  # per look: the best few claims (each costs at most one 
 MAX_CLAIMANTS_ASKED = 2
 MAX_CHECKS_IN_FLIGHT = 4  # background certificate checks at once, however many peers claim a newer state
 DISTRUST_S = 60.0  # a claimant that served an invalid certificate is not asked again for this long
-UNREACHABLE_S = 30.0  # nor one that did not answer in time (a hanging claimant stalls every look it is asked in)
+UNREACHABLE_S = 30.0  # nor one that did not answer in time (each ask of a hanging claimant holds a check slot)
 
 
 class Chain:
@@ -47,6 +47,12 @@ class Chain:
         self._checks: dict[tuple[int, str], asyncio.Task[None]] = {}  # claims whose certificate is being fetched
         # claims whose claimant served the certificate of a newer state instead: that state, and who served it
         self._moved: OrderedDict[tuple[int, str], tuple[Certificate, str]] = OrderedDict()
+
+    def close(self) -> None:
+        """Cancel the background certificate checks still running (on the loop)."""
+        for task in list(self._checks.values()):
+            task.cancel()
+        self._checks.clear()
 
     def set_head(self, head: Head) -> None:
         self.head = head
@@ -150,7 +156,7 @@ class Chain:
     async def _fetch_verdict(self, claim: StateClaim) -> tuple[Certificate | None, str]:
         """A valid certificate for the claim, or for a newer state of the same claimant that still outranks ours,
         with the claimant that served it; (None, "") when nobody asked could back it. A claimant that serves an
-        invalid certificate is distrusted for a minute; one that could not be reached, for a few seconds. The state
+        invalid certificate is distrusted for a minute; one that could not be reached, for 30 s. The state
         itself is never condemned: a liar may claim an honest state too."""
         now = time.monotonic()
         self._distrust = {p: t for p, t in self._distrust.items() if t > now}

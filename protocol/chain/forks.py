@@ -38,9 +38,6 @@ class StateClaim:
     work: int
     donors: tuple[str, ...]
 
-    def key(self) -> tuple[int, int, str]:
-        return (self.work, self.round, self.state_hash)
-
 
 def outranks(a: tuple[int, int, str], b: tuple[int, int, str]) -> bool:
     """Fork choice, applied by every peer the same way: more certified work wins, then the higher round, then the

@@ -13,8 +13,8 @@ you do not trust.
 The bulk bytes bypass the event loop: a data connection is a plain blocking socket driven from a thread pool,
 so the kernel copies a payload straight from the sender's tensor into the receiver's buffer (`sendall` of a
 memoryview, `recv_into`). Through asyncio streams the same 100 MiB cost ~2.5x longer on loopback (three extra
-copies through the transport's buffers). Frames are those of `swarmloco.protocol.base.wire`, with the same caps and
-deadlines.
+copies through the transport's buffers). Frames are those of `swarmloco.protocol.base.wire`, with the same caps
+and deadlines.
 """
 from __future__ import annotations
 

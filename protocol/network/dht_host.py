@@ -5,6 +5,7 @@ pages copy-on-write: on a tiny model that child costs about as much memory as th
 same `DHTNode` (same protocol, same record validators, same p2pd daemon) as a task of the swarm loop and offers the
 subset of `hivemind.DHT`'s interface that `SwarmNode` and the tests use, so either can sit behind `SwarmNode.dht`.
 The price is that DHT requests share the peer's GIL; they are small and rare (one record per heartbeat).
+`LocalDHT.on_own_thread` runs the node on a loop thread of its own, for processes with no loop to lend it.
 """
 from __future__ import annotations
 
@@ -43,16 +44,17 @@ class LocalDHT:
     @classmethod
     def on_own_thread(cls, *, name: str = "dht", timeout: float = 60.0, **kwargs: Any) -> LocalDHT:
         """Start the node on a new loop thread, for a process that has no event loop to lend it (the coordinator's
-        bootstrap node): no forked child, unlike `hivemind.DHT`, so nothing (not even torch's shared-memory
-        manager, which the fork starts) outlives the process. `shutdown` also ends that thread."""
+        bootstrap node, the swarm launcher's): no forked child, unlike `hivemind.DHT`, so nothing (not even torch's
+        shared-memory manager, which the fork starts) outlives the process. `shutdown` also ends that thread."""
         loop = asyncio.new_event_loop()
         thread = threading.Thread(target=loop.run_forever, name=name, daemon=True)
         thread.start()
+        future = asyncio.run_coroutine_threadsafe(cls.create(**kwargs), loop)
         try:
-            dht = asyncio.run_coroutine_threadsafe(cls.create(**kwargs), loop).result(timeout)
+            dht = future.result(timeout)
         except BaseException:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(5)
+            future.cancel()
+            _stop_loop(loop, thread)
             raise
         dht._own_thread = thread
         return dht
@@ -92,15 +94,22 @@ class LocalDHT:
         await self.node.shutdown()
 
     def shutdown(self) -> None:
-        """Stop the node from another thread if the loop still runs; a dead loop already took the node with it
-        (the p2pd daemon is then stopped with its session)."""
-        if self._closed or self.loop.is_closed() or not self.loop.is_running():
-            return
-        try:
-            asyncio.run_coroutine_threadsafe(self.aclose(), self.loop).result(timeout=15)
-        except (concurrent.futures.TimeoutError, RuntimeError) as exc:
-            logger.warning("the DHT node did not stop cleanly: %r", exc)
-        finally:
-            if self._own_thread is not None:
-                self.loop.call_soon_threadsafe(self.loop.stop)
-                self._own_thread.join(5)
+        """Stop the node from another thread if the loop still runs (a dead loop already took the node with it, and
+        its p2pd daemon is stopped with its session); a loop thread of our own ends too."""
+        if not self._closed and not self.loop.is_closed() and self.loop.is_running():
+            try:
+                asyncio.run_coroutine_threadsafe(self.aclose(), self.loop).result(timeout=15)
+            except (concurrent.futures.TimeoutError, RuntimeError) as exc:
+                logger.warning("the DHT node did not stop cleanly: %r", exc)
+        if self._own_thread is not None:
+            _stop_loop(self.loop, self._own_thread)
+            self._own_thread = None
+
+
+def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread, timeout: float = 5.0) -> None:
+    """Stop a loop running on `thread`, wait for the thread, and close the loop once it has stopped."""
+    if not loop.is_closed():
+        loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout)
+    if not thread.is_alive() and not loop.is_closed():
+        loop.close()

@@ -38,7 +38,8 @@ from swarmloco.protocol.chain.forks import Behind
 from swarmloco.protocol.network.data_plane import DataPlane
 from swarmloco.protocol.network.transport import Transport
 from swarmloco.protocol.round.config import Deadlines, LocalModel, RoundConfig
-from swarmloco.protocol.round.matchmaking import Group, Matchmaker, RoundAborted
+from swarmloco.protocol.round.groups import Group, RoundAborted
+from swarmloco.protocol.round.matchmaking import Matchmaker
 from swarmloco.protocol.round.pipes import ShardRouter
 from swarmloco.protocol.round.steps import RoundSteps
 from swarmloco.protocol.trust.admission import Credentials, Gate
@@ -115,6 +116,7 @@ class Averager:
         await self.matchmaker.register()
 
     def close(self, *, timeout: float = 10.0) -> None:
+        self.transport.loop.call_soon_threadsafe(self.chain.close)
         if self.data_plane is not None:
             self.transport.call(self.data_plane.close(), timeout=timeout)
 

@@ -3,8 +3,8 @@
 A member and its leader are joined by a `Link`: the stream the member joined on. After the group closes it
 carries only small frames — the member's claim (tokens, staleness, how to reach it), the leader's plan, the
 member's vote and the leader's certificate; the tensors move between the members themselves
-(`swarmloco.protocol.round.shard_reduce`). The leader's checks on a claim are made here, before the claim can weigh
-anything.
+(`swarmloco.protocol.round.shard_reduce`). The leader's checks on a claim are made here, before the claim can
+weigh anything.
 """
 from __future__ import annotations
 

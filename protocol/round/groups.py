@@ -90,9 +90,8 @@ def admit(
 
 @dataclass(frozen=True)
 class Declined:
-    """A join that did not get us into a group, and how long to leave that leader alone before asking it again."""
+    """A join that did not get us into a group: how long to leave that leader alone before asking it again."""
 
-    leader: str
     retry_after_s: float
 
 

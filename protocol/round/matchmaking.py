@@ -30,9 +30,7 @@ from swarmloco.protocol.chain.forks import Behind
 from swarmloco.protocol.network.transport import Transport
 from swarmloco.protocol.round.config import Deadlines, LocalModel, RoundConfig
 from swarmloco.protocol.round.exchange import Link
-from swarmloco.protocol.round.groups import Attempt, Collecting, Declined, admit
-from swarmloco.protocol.round.groups import Group as Group  # re-exported: what matchmaking hands the exchange
-from swarmloco.protocol.round.groups import RoundAborted as RoundAborted
+from swarmloco.protocol.round.groups import Attempt, Collecting, Declined, Group, RoundAborted, admit
 from swarmloco.protocol.round.rules import active_peers, compatible, grace_over, leader_rank, pick_leader
 from swarmloco.protocol.trust.admission import Credentials, Gate
 from swarmloco.protocol.trust.certificates import need
@@ -263,7 +261,7 @@ class Matchmaker:
             reader, writer = await self.transport.open_stream(leader, self.handler_name, timeout=d.control)
         except Exception as exc:  # whatever keeps us from a leader means: try another
             logger.info("round %d: cannot reach leader %s: %r", attempt.round, short_id(leader), exc)
-            return Declined(leader, _SKIP_UNREACHABLE_S)
+            return Declined(_SKIP_UNREACHABLE_S)
         link = Link(leader, reader, writer)
         try:
             request = pb.JoinRequest(
@@ -283,13 +281,13 @@ class Matchmaker:
                     self.refusals.append(reply.message)
                     logger.error("peer %s refused us: %s", short_id(leader), reply.message)
                 link.close()
-                return Declined(leader, _SKIP_S.get(reply.status, _SKIP_OTHER_S))
+                return Declined(_SKIP_S.get(reply.status, _SKIP_OTHER_S))
             refused = self.gate.check(reply.ticket, leader, role="trainer")
             if refused:
                 logger.warning("round %d: leader %s is not admitted (%s); not joining it", attempt.round,
                                short_id(leader), refused)
                 link.close()
-                return Declined(leader, _SKIP_UNADMITTED_LEADER_S)
+                return Declined(_SKIP_UNADMITTED_LEADER_S)
             self.transport.update_record(leading=0)
             try:
                 closed, _ = await read_frame(
@@ -304,14 +302,14 @@ class Matchmaker:
                 or self.transport.peer_id not in closed.members
             ):
                 link.close()
-                return Declined(leader, _SKIP_DROPPED_S)
+                return Declined(_SKIP_DROPPED_S)
             if len(closed.members) < need(max(closed.swarm, attempt.swarm), self.cfg.quorum):
                 # A group that is no majority of the swarm we see could never be certified (and two of them could
                 # both commit): a leader understating the swarm is not followed.
                 logger.info("round %d: %s closed %d of a claimed swarm of %d, we see %d active; not taking part",
                             attempt.round, short_id(leader), len(closed.members), closed.swarm, attempt.swarm)
                 link.close()
-                return Declined(leader, _SKIP_DROPPED_S)
+                return Declined(_SKIP_DROPPED_S)
             self.transport.update_record(ready=False)
             return Group(
                 round=attempt.round,
@@ -324,7 +322,7 @@ class Matchmaker:
         except WireError as exc:
             logger.info("leader %s dropped us before the group closed: %r", short_id(leader), exc)
             link.close()
-            return Declined(leader, _SKIP_DROPPED_S)
+            return Declined(_SKIP_DROPPED_S)
 
     # --- serving join requests ------------------------------------------------------------------------------------
     async def _handle_join(self, caller: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -18,8 +18,8 @@ the coefficients follow from the norms and weights (`coefficients_ok`); its own 
 says (`norm_matches`); and the result is no longer than Σ coeff_i × norm_i (`within_bound`, the triangle inequality,
 plus the codec's rounding). That last check bounds a reducer that lies about its own part's norm, the one number
 nobody else can check. Whether the result is that combination of those exact parts is the audit's job
-(`swarmloco.protocol.round.audit`): random probes R drawn after the result is fixed, with <R, result> = Σ coeff_i <R,
-part_i>.
+(`swarmloco.protocol.round.audit`): random probes R drawn after the result is fixed, with
+<R, result> = Σ coeff_i <R, part_i>.
 """
 from __future__ import annotations
 

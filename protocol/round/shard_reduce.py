@@ -6,8 +6,8 @@ then carries about 2 (N − 1) / N times the encoded vector, as in a ring all-re
 2 (N − 1) times), and each member decodes about one vector's worth of parts. Every reduced shard has exactly one
 source, its reducer, so all members that receive every shard apply bit-identical averages.
 
-Each pair of contributors shares one connection (`swarmloco.protocol.round.pipes`): TCP where it can, a libp2p stream
-where not.
+Each pair of contributors shares one connection (`swarmloco.protocol.round.pipes`): TCP where it can, a libp2p
+stream where not.
 
 Which contributions count is settled before anything is reduced: each reducer tells the leader whose parts of
 its shard arrived well-formed, and the leader keeps the contributors every reducer holds a part of. A member that

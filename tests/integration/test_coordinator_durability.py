@@ -33,7 +33,7 @@ def test_sigkill_mid_stream_loses_nothing_acknowledged(tmp_path: Path) -> None:
             acked[report.nonce] = status
 
     config = ReportSenderConfig(backoff_initial_s=0.05, backoff_max_s=0.5, heartbeat_interval_s=0,
-                            connect_timeout_s=1.0, read_timeout_s=2.0)
+                                connect_timeout_s=1.0, read_timeout_s=2.0)
     reporters = [ReportSender(info["url"], i, "durable", config=config, on_result=on_result).start() for i in ids]
     members = [i.peer_id for i in ids]
     certs = {r: certificate(ids, tickets, run_id="durable", round=r) for r in range(1, REPORTS_PER_PEER // 10 + 1)}

@@ -15,7 +15,7 @@ from swarmloco.protocol.network.config import NetworkConfig
 from swarmloco.protocol.network.node import SwarmNode
 from swarmloco.protocol.round.averager import Averager
 from swarmloco.protocol.round.config import LocalModel, RoundConfig
-from swarmloco.protocol.round.matchmaking import Group
+from swarmloco.protocol.round.groups import Group
 from swarmloco.protocol.round.rules import leader_rank
 from swarmloco.protocol.trust.admission import Credentials, Gate, Ticket
 from swarmloco.protocol.trust.certificates import Head

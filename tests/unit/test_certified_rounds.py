@@ -25,7 +25,7 @@ from swarmloco.protocol.base.outcome import Outcome
 from swarmloco.protocol.chain.forks import Behind
 from swarmloco.protocol.chain.state_sync import ServedState, state_handler
 from swarmloco.protocol.round.averager import Averager
-from swarmloco.protocol.round.matchmaking import Group, RoundAborted
+from swarmloco.protocol.round.groups import Group, RoundAborted
 from swarmloco.protocol.testing.fake import FakeNetwork, FakeTransport
 from swarmloco.protocol.trust.admission import Gate, Ticket
 from swarmloco.protocol.trust.certificates import Certificate, Head, Statement

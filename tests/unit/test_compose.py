@@ -345,7 +345,7 @@ def test_dockerignore_keeps_what_the_build_needs() -> None:
         if line.strip() and not line.startswith("#")
     }
     assert {".git", ".venv"} <= ignored
-    needed = {"pyproject.toml", "README.md", "protocol", "peer", "coordinator", "scripts"}
+    needed = {"pyproject.toml", "README.md", "protocol", "peer", "coordinator", "swarmloco"}
     assert not needed & ignored
 
 

@@ -19,7 +19,7 @@ from swarmloco.protocol.trust.reports import Report
 pytestmark = pytest.mark.timeout(60)
 
 FAST = ReportSenderConfig(backoff_initial_s=0.05, backoff_max_s=0.3, heartbeat_interval_s=0, connect_timeout_s=1.0,
-                      read_timeout_s=1.0)
+                          read_timeout_s=1.0)
 
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,8 @@ ID = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
 
 def test_unreachable_coordinator_is_said_at_the_first_failure(tmp_path: Path,
                                                               caplog: pytest.LogCaptureFixture) -> None:
-    reporter = ReportSender("http://127.0.0.1:9", load_or_create_identity(tmp_path / "id.key"), "run",
-                        config=ReportSenderConfig(backoff_initial_s=0.01, backoff_max_s=0.02, heartbeat_interval_s=0))
+    config = ReportSenderConfig(backoff_initial_s=0.01, backoff_max_s=0.02, heartbeat_interval_s=0)
+    reporter = ReportSender("http://127.0.0.1:9", load_or_create_identity(tmp_path / "id.key"), "run", config=config)
     with caplog.at_level(logging.WARNING, logger="swarmloco.peer.report_sender"):
         reporter.start()
         reporter.heartbeat(round=1)

@@ -30,7 +30,8 @@ from swarmloco.protocol.base.hooks import Hooks
 from swarmloco.protocol.base.outcome import Outcome
 from swarmloco.protocol.base.wire import WireError, read_frame, write_frame
 from swarmloco.protocol.round.config import RoundConfig
-from swarmloco.protocol.round.matchmaking import Group, Matchmaker
+from swarmloco.protocol.round.groups import Group
+from swarmloco.protocol.round.matchmaking import Matchmaker
 from swarmloco.protocol.testing.fake import FakeNetwork
 from swarmloco.protocol.trust.admission import Gate
 
