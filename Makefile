@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install demo solo test test-fast bench-smoke clean
+.PHONY: install demo solo test test-fast bench-smoke chaos-smoke clean
 
 $(BIN)/swarmloco: pyproject.toml
 	@echo "installing swarmloco and its dependencies (torch, hivemind, ...) into $(VENV)/: about 3 minutes the first time"
@@ -31,6 +31,10 @@ test-fast: install
 bench-smoke: install
 	@echo "every benchmark once at its smallest size: about 3 minutes on 2 cores"
 	$(BIN)/python -m pytest -q -m bench_smoke tests/integration/test_bench_quick.py
+
+chaos-smoke: install
+	@echo "short chaos runs (churn, burners, SIGSTOP of a leader) over real local peers: a few minutes on 2 cores"
+	$(BIN)/python -m pytest -q -m chaos tests/integration/test_chaos.py
 
 clean:
 	rm -rf runs .pytest_cache

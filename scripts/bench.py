@@ -9,6 +9,7 @@ Subcommands (each prints a markdown table of ratios measured side by side in one
   trust        certified rounds: certification vs exchange time per round, and the cost of each offline check
   codecs       encode/decode throughput of every codec, now vs before vectorising, vs a loopback send
   scale        round overhead (matchmaking, exchange, commit) and memory per peer for 2 .. 32 local peers
+  goodput      tokens merged per second with churn-30s vs without, default quorum and lock-step
   cli          seconds until the console script answers --help or a mistyped flag (target: under 0.5 s)
 The logic lives in scripts/bench_<name>.py; `--quick` shrinks every size for the smoke test (`make bench-smoke`).
 """
@@ -31,6 +32,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "scale": ("scripts.bench_scale", "round overhead and memory per peer vs the number of peers (2 .. 32)"),
     "codecs": ("scripts.bench_codecs", "codec encode/decode throughput: now vs before, and vs a loopback send"),
     "robust": ("scripts.bench_robust", "what robust aggregation and the audit cost per round (with vs without)"),
+    "goodput": ("scripts.bench_goodput", "goodput under churn vs steady, default quorum and lock-step (4 peers)"),
     "cli": ("scripts.bench_cli", "seconds until `swarmloco --help`, a command's --help or a flag error answers"),
 }
 

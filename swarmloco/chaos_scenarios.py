@@ -1,0 +1,214 @@
+"""The chaos harness's scenarios: one small fault driver each, in a registry keyed by the scenario's name.
+
+A driver is ticked by the run about twice a second with the seconds since the peers all joined; it injects its
+faults through the run (`ChaosTarget`), which records each one as {t, kind, peer}, and `close` undoes whatever is
+still in effect (a stopped peer is continued, burners are killed). Drivers only ever signal processes the run
+started, by pid or by the session the run created for them.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+import signal
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+logger = logging.getLogger(__name__)
+
+
+class ChaosTarget(Protocol):
+    """What a driver may do to a run: its peers, faults recorded, processes started beside the peers."""
+
+    round_timeout: float
+
+    def live_peers(self) -> list[str]: ...
+
+    def kill_peer(self, name: str) -> None: ...
+
+    def restart_peer(self, name: str) -> None: ...
+
+    def signal_peer(self, name: str, sig: int) -> None: ...
+
+    def leader_peer(self) -> str | None: ...
+
+    def start_burner(self) -> subprocess.Popen[bytes]: ...
+
+    def stop_process(self, proc: subprocess.Popen[bytes]) -> None: ...
+
+    def kill_coordinator(self) -> None: ...
+
+    def start_coordinator(self) -> None: ...
+
+    def fault(self, kind: str, peer: str | None) -> None: ...
+
+
+class Driver(Protocol):
+    def tick(self, run: ChaosTarget, t: float) -> None: ...
+
+    def close(self, run: ChaosTarget) -> None: ...
+
+
+@dataclass(kw_only=True)
+class Steady:
+    """No faults: the baseline a faulty run is compared with."""
+
+    def tick(self, run: ChaosTarget, t: float) -> None:
+        return
+
+    def close(self, run: ChaosTarget) -> None:
+        return
+
+
+@dataclass(kw_only=True)
+class Churn:
+    """SIGKILL a random live peer every `every_s` seconds, and restart it at once on its own identity and workdir
+    (it resumes from its checkpoint and rejoins)."""
+
+    every_s: float
+    seed: int = 0
+    next_at: float = -1.0
+    rng: random.Random = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+        if self.next_at < 0:
+            self.next_at = self.every_s
+
+    def tick(self, run: ChaosTarget, t: float) -> None:
+        if t < self.next_at:
+            return
+        self.next_at = t + self.every_s
+        victims = run.live_peers()
+        if not victims:
+            return
+        victim = self.rng.choice(victims)
+        run.kill_peer(victim)
+        run.fault("sigkill", victim)
+        run.restart_peer(victim)
+        run.fault("restart", victim)
+
+    def close(self, run: ChaosTarget) -> None:
+        return
+
+
+@dataclass(kw_only=True)
+class SigstopLeader:
+    """At `at_s`, SIGSTOP the peer that leads the swarm's current round (as its event logs show it) for `rounds`
+    round timeouts, then SIGCONT it."""
+
+    at_s: float
+    rounds: float = 2.0
+    stopped: str | None = None
+    until: float = 0.0
+    done: bool = False
+
+    def tick(self, run: ChaosTarget, t: float) -> None:
+        if self.stopped is not None and t >= self.until:
+            self._resume(run)
+        if self.done or self.stopped is not None or t < self.at_s:
+            return
+        leader = run.leader_peer()
+        if leader is None:  # no round has committed yet: nobody is known to lead; look again next tick
+            return
+        run.signal_peer(leader, signal.SIGSTOP)
+        run.fault("sigstop", leader)
+        self.stopped, self.until = leader, t + self.rounds * run.round_timeout
+
+    def _resume(self, run: ChaosTarget) -> None:
+        assert self.stopped is not None
+        run.signal_peer(self.stopped, signal.SIGCONT)
+        run.fault("sigcont", self.stopped)
+        self.stopped, self.done = None, True
+
+    def close(self, run: ChaosTarget) -> None:
+        if self.stopped is not None:
+            self._resume(run)
+
+
+@dataclass(kw_only=True)
+class Burners:
+    """`count` CPU burner processes (`python -c "while True: pass"`) beside the peers for the whole run."""
+
+    count: int = 2
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def tick(self, run: ChaosTarget, t: float) -> None:
+        while len(self.procs) < self.count:
+            self.procs.append(run.start_burner())
+            run.fault("burner-start", None)
+
+    def close(self, run: ChaosTarget) -> None:
+        for proc in self.procs:
+            run.stop_process(proc)
+            run.fault("burner-stop", None)
+        self.procs.clear()
+
+
+@dataclass(kw_only=True)
+class CoordinatorRestart:
+    """At `at_s`, SIGKILL the coordinator, and `down_s` later start it again on the same database and port."""
+
+    at_s: float
+    down_s: float = 3.0
+    killed_at: float | None = None
+    done: bool = False
+
+    def tick(self, run: ChaosTarget, t: float) -> None:
+        if self.done:
+            return
+        if self.killed_at is None and t >= self.at_s:
+            run.kill_coordinator()
+            run.fault("coordinator-kill", None)
+            self.killed_at = t
+        elif self.killed_at is not None and t >= self.killed_at + self.down_s:
+            run.start_coordinator()
+            run.fault("coordinator-start", None)
+            self.done = True
+
+    def close(self, run: ChaosTarget) -> None:
+        return
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    name: str
+    help: str
+    make: Callable[[bool, int], Any]  # (quick, seed) -> a Driver
+    peers: int = 4
+    duration_s: float = 180.0
+    quick_duration_s: float = 40.0
+    coordinator: bool = False
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario(name="steady", help="no faults (the baseline)", make=lambda quick, seed: Steady()),
+        Scenario(name="churn-30s", help="SIGKILL a random peer every 30 s (8 s with --quick) and restart it",
+                 make=lambda quick, seed: Churn(every_s=8.0 if quick else 30.0, seed=seed)),
+        Scenario(name="sigstop-leader", help="SIGSTOP the current round's leader for two round timeouts",
+                 make=lambda quick, seed: SigstopLeader(at_s=3.0 if quick else 20.0), quick_duration_s=45.0),
+        Scenario(name="burners", help="two CPU burner processes beside the peers", make=lambda quick, seed: Burners()),
+        Scenario(name="coordinator-restart", help="kill the coordinator mid-run, restart it on the same db and port",
+                 make=lambda quick, seed: CoordinatorRestart(at_s=10.0 if quick else 60.0), coordinator=True),
+    )
+}
+
+
+def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("action", choices=("run", "list"), help="run a scenario, or list the scenarios")
+    add("scenario", nargs="?", default="", help=f"one of: {', '.join(SCENARIOS)}")
+    add("--workdir", default="runs/chaos", help="per-peer workdirs and logs go here (emptied first)")
+    add("--json", dest="json_out", default=None, help="write the results here (default: WORKDIR/chaos.json)")
+    add("--peers", type=int, default=0, help="peer processes (0: the scenario's default, 4)")
+    add("--duration", type=float, default=0.0, help="seconds of faults once all peers joined (0: the scenario's)")
+    add("--settle", type=float, default=0.0, help="then wait at most this long for one final state (0: 60/90 s)")
+    add("--quick", action="store_true", help="short intervals and durations, for tests")
+    add("--quorum", type=int, default=0, help="peers' --quorum (0: a majority, at least 2; lock-step: --peers)")
+    add("--round-timeout", type=float, default=0.0, help="peers' --round-timeout (0: 15 s quick, 40 s otherwise)")
+    add("--inner-steps", type=int, default=10, help="peers' --inner-steps")
+    add("--seed", type=int, default=0, help="seed of the scenario's random choices")

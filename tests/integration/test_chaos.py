@@ -1,0 +1,63 @@
+"""Chaos smoke tests (`make chaos-smoke`, not part of `make test`): short (`--quick`) runs of `swarmloco chaos run`
+over real peers on 127.0.0.1. Each asserts that rounds commit after the faults, that every live peer ends on one
+state hash, that nothing the run started is left alive, and that the JSON carries its keys."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from conftest import run_swarmloco
+
+pytestmark = [pytest.mark.chaos, pytest.mark.integration]
+
+KEYS = {"scenario", "rounds_committed", "views_per_round", "goodput_tokens_per_s", "final_hashes", "orphans",
+        "faults", "per_peer", "notes"}
+
+
+def _chaos(tmp_path: Path, env: dict[str, str], scenario: str, *extra: str, timeout: float) -> dict[str, object]:
+    out = tmp_path / f"{scenario}.json"
+    proc = run_swarmloco(["chaos", "run", scenario, "--quick", "--workdir", str(tmp_path / scenario), "--json",
+                          str(out), *extra], env, timeout=timeout)
+    assert out.exists(), proc.stdout[-2000:] + proc.stderr[-4000:]
+    result: dict[str, object] = json.loads(out.read_text())
+    assert proc.returncode == 0, json.dumps(result, indent=1)[-3000:] + proc.stderr[-3000:]
+    return result
+
+
+def _check(result: dict[str, object], scenario: str, fault_kind: str) -> None:
+    assert KEYS <= set(result), sorted(KEYS - set(result))
+    assert result["scenario"] == scenario and result["error"] is None
+    faults = result["faults"]
+    assert isinstance(faults, list) and any(f["kind"] == fault_kind for f in faults), faults
+    assert result["settled"] is True, result  # a round committed after the last fault, and the peers agree
+    assert isinstance(result["rounds_committed"], int) and result["rounds_committed"] >= 1
+    hashes = result["final_hashes"]
+    assert isinstance(hashes, dict) and len(hashes) == 4 and len(set(hashes.values())) == 1, hashes
+    assert None not in hashes.values()
+    assert result["orphans"] == 0, result["orphan_cmdlines"]
+    assert Path(str(result["plot"])).read_bytes().startswith(b"\x89PNG")
+    per_peer = result["per_peer"]
+    assert isinstance(per_peer, dict) and all(v["peak_rss_mb"] > 0 for v in per_peer.values()), per_peer
+
+
+@pytest.mark.timeout(420)
+def test_churn_quick(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    result = _chaos(tmp_path, cli_env, "churn-30s", timeout=400)
+    _check(result, "churn-30s", "sigkill")
+    assert any(f["kind"] == "restart" for f in result["faults"])  # type: ignore[union-attr]
+
+
+@pytest.mark.timeout(420)
+def test_burners_quick(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    result = _chaos(tmp_path, cli_env, "burners", timeout=400)
+    _check(result, "burners", "burner-stop")
+    assert sum(f["kind"] == "burner-start" for f in result["faults"]) == 2  # type: ignore[union-attr]
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="a stopped leader and 3 peers need two cores")
+def test_sigstop_leader_quick(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    result = _chaos(tmp_path, cli_env, "sigstop-leader", timeout=400)
+    _check(result, "sigstop-leader", "sigcont")
