@@ -15,7 +15,7 @@ from swarmloco.protocol.chain.state_sync import ServedState, StateServer
 from swarmloco.protocol.round.averager import Averager, Contribution, RoundResult
 from swarmloco.protocol.round.config import LocalModel, RoundConfig
 from swarmloco.protocol.round.groups import Group
-from swarmloco.protocol.round.rules import leader_rank
+from swarmloco.protocol.round.schedule import view_rank
 from swarmloco.protocol.testing.fake import FakeNetwork, FakeTransport
 from swarmloco.protocol.trust.admission import Gate
 from swarmloco.protocol.trust.certificates import Head
@@ -51,7 +51,7 @@ def peers(net: FakeNetwork, n: int, *, quorum: int, hooks: dict[int, Hooks] | No
 
 def by_rank(averagers: list[Averager], state_hash: str = H0) -> list[Averager]:
     """The averagers in leader order for a round starting from `state_hash` (the first one leads)."""
-    return sorted(averagers, key=lambda a: leader_rank(state_hash, a.transport.peer_id))
+    return sorted(averagers, key=lambda a: view_rank(state_hash, 0, a.transport.peer_id))
 
 
 def announce(transport: FakeTransport, round_number: int = 0, state_hash: str = H0, *, work: int = 0,

@@ -14,7 +14,7 @@ from typing import Any
 import hivemind
 from conftest import _SHM_MANAGER, ROOT, _cmdline, _descendants
 
-from swarmloco.protocol.round.rules import leader_rank
+from swarmloco.protocol.round.schedule import view_rank
 from swarmloco.protocol.trust.identity import load_or_create_identity
 from swarmloco.swarm import PeerProc
 
@@ -76,7 +76,7 @@ class Swarm:
         for i in range(n):
             path = self.workdir / f"id-{i}.key"
             out.append((load_or_create_identity(path).peer_id, path))
-        return sorted(out, key=lambda item: leader_rank(self._genesis, item[0]))  # type: ignore[arg-type]
+        return sorted(out, key=lambda item: view_rank(self._genesis, 0, item[0]))  # type: ignore[arg-type]
 
     def start(
         self,

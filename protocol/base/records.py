@@ -3,9 +3,10 @@
 Every key lives under the run id. Each peer keeps one record, under its own subkey of the run's status key:
     swarmloco/<run_id>/peers  ->  {peer_id: PeerRecord}
 A record says which global round the peer holds (its hash and the certified work of its chain), whether it is ready
-to average that round, how many members it is leading, and when it expects to be ready (so leaders can size the
-grace window). A record is a claim: it is signed by its peer (swarmloco.protocol.trust.signed_records), and a state it
-names is adopted only with a commit certificate (swarmloco.protocol.chain.chain).
+to average that round and in which view of the round's schedule (`swarmloco.protocol.round.schedule`), and when it
+expects to be ready (so leaders can size the grace window; once ready, when it became ready). A record is a claim:
+it is signed by its peer (swarmloco.protocol.trust.signed_records), and a state it names is adopted only with a
+commit certificate (swarmloco.protocol.chain.chain).
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
+MAX_VIEW = 2**20  # views of one round; at the capped view length, weeks
 MAX_CONFIG_JSON = 4096
 MAX_RECORD_TTL_S = 300.0  # a record lives at most this long past its signing: a silent peer drops out in minutes
 
@@ -52,7 +54,7 @@ class PeerRecord:
     state_hash: str
     work: int  # cumulative certified tokens of the chain that ends in θ_r (0 at θ_0): the fork-choice weight
     ready: bool  # done with its budget, waiting to average round r
-    leading: int  # members that joined this peer as leader of round r
+    view: int  # the view of round r this peer is in (meaningful while ready)
     eta: float  # unix time it expects to be ready (its last estimate)
     updated: float
 
@@ -62,11 +64,11 @@ class PeerRecord:
     @classmethod
     def announce(cls, *, fingerprint: str, config_json: str, round: int, state_hash: str, work: int = 0,
                  ready: bool = False, eta: float | None = None) -> PeerRecord:
-        """This peer's own record for a state it now holds: our protocol version, nobody led yet, ready time `eta`
+        """This peer's own record for a state it now holds: our protocol version, view 0, ready time `eta`
         (unix seconds; now when omitted)."""
         now = time.time()
         return cls(version=PROTOCOL_VERSION, fingerprint=fingerprint, config_json=config_json, round=round,
-                   state_hash=state_hash, work=work, ready=ready, leading=0, eta=now if eta is None else eta,
+                   state_hash=state_hash, work=work, ready=ready, view=0, eta=now if eta is None else eta,
                    updated=now)
 
     @classmethod
@@ -80,7 +82,7 @@ class PeerRecord:
             return None
         ints_ok = all(
             isinstance(getattr(rec, k), int) and not isinstance(getattr(rec, k), bool)
-            for k in ("version", "round", "leading", "work")
+            for k in ("version", "round", "view", "work")
         )
         strs_ok = all(isinstance(getattr(rec, k), str) for k in ("fingerprint", "config_json", "state_hash"))
         floats_ok = all(
@@ -88,7 +90,7 @@ class PeerRecord:
         )
         if not (ints_ok and strs_ok and floats_ok and isinstance(rec.ready, bool)):
             return None
-        if not (0 <= rec.round < 2**40 and 0 <= rec.leading < 10_000 and 0 <= rec.work < 2**62
+        if not (0 <= rec.round < 2**40 and 0 <= rec.view <= MAX_VIEW and 0 <= rec.work < 2**62
                 and len(rec.config_json) <= MAX_CONFIG_JSON):
             return None
         if len(rec.state_hash) != 64 or len(rec.fingerprint) > 64:

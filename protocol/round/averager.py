@@ -194,10 +194,6 @@ class Averager:
         finally:
             if applied and (result is None or result.outcome != Outcome.COMMITTED):
                 rollback()
-            # A leader that vanished or misbehaved is skipped for a few rounds (the leader order only changes with
-            # the state, so it would lead every retry); one whose round another member lost is not to blame.
-            if not group.is_leader and result is not None and result.blame == group.leader:
-                self._skip_leader(group.leader, result.reason)
             if result is not None:
                 self._judge(group, result)
         if result.outcome == Outcome.COMMITTED and result.certificate is not None:
@@ -219,8 +215,3 @@ class Averager:
                 self.transport.call(ban(peer, why), timeout=self.cfg.control_timeout_s)
         if group.is_leader and result.blame and result.blame != group.me and result.blame not in result.cheaters:
             steps.suspend(result.blame, group.round, result.reason)
-
-    def _skip_leader(self, leader: str, why: str) -> None:
-        matchmaker = self.matchmaker
-        if matchmaker is not None:
-            self.transport.loop.call_soon_threadsafe(matchmaker.skip_leader, leader, bounded(why, 200))

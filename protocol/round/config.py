@@ -20,6 +20,7 @@ class RoundConfig:
     grace_min_s: float = 0.5
     grace_max_s: float = 10.0
     round_timeout_s: float = 60.0  # a ready peer waits this long for a group before giving the round up
+    view_s: float = 0.0  # the first view's length (0: the shortest that fits a join, the grace window and a close)
     exchange_timeout_s: float = 60.0  # moving one contribution, or one result, over the wire
     control_timeout_s: float = 10.0  # one small control frame (join request and reply, group closed, abort)
     codec: str = "int8"
@@ -38,6 +39,7 @@ class RoundConfig:
             (0 <= self.grace_min_s <= self.grace_max_s <= 3600, "grace", (self.grace_min_s, self.grace_max_s),
              "0 <= grace_min_s <= grace_max_s <= 3600"),
             (1 <= self.round_timeout_s <= 86400, "round_timeout_s", self.round_timeout_s, "1 .. 86400"),
+            (self.view_s == 0 or 0.1 <= self.view_s <= 3600, "view_s", self.view_s, "0 (derived) or 0.1 .. 3600"),
             (1 <= self.exchange_timeout_s <= 3600, "exchange_timeout_s", self.exchange_timeout_s, "1 .. 3600"),
             (0.5 <= self.control_timeout_s <= 600, "control_timeout_s", self.control_timeout_s, "0.5 .. 600"),
             (2 <= self.max_group <= 10_000, "max_group", self.max_group, "2 .. 10000"),

@@ -1,5 +1,5 @@
 """What matchmaking produces and decides without a network: the closed group, a leader's answer to a join, and the
-plain state matchmaking carries between its looks at the records (a leader's open group, one attempt at a round)."""
+plain state of a leader's open group."""
 from __future__ import annotations
 
 import asyncio
@@ -90,43 +90,20 @@ def admit(
 
 @dataclass(frozen=True)
 class Declined:
-    """A join that did not get us into a group: how long to leave that leader alone before asking it again."""
+    """A join that did not get us into a group, and why (we try again within the view, or follow the next one)."""
 
-    retry_after_s: float
+    reason: str
 
 
 @dataclass
 class Collecting:
-    """A leader's open group: members that joined, and what their join handlers wait on."""
+    """A leader's open group for one view: members that joined, and what their join handlers wait on."""
 
     round: int
+    view: int = 0
     members: dict[str, Link] = field(default_factory=dict)
     tickets: dict[str, bytes] = field(default_factory=dict)
     closed: bool = False
+    quorum_at: float | None = None  # when the group first reached the size it needs (monotonic)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-
-
-@dataclass
-class Attempt:
-    """The state one `form_group` call carries from one look at the records to the next."""
-
-    round: int
-    state_hash: str
-    deadline: float
-    skip: dict[str, float] = field(default_factory=dict)  # leader -> monotonic time until which we do not ask it
-    quorum_at: float | None = None  # when our own group first reached the size it needs
-    active: set[str] = field(default_factory=set)  # active peers in our latest view, us included
-    alone_since: float | None = None  # when we began leading with nobody joined
-    merge_into: str | None = None  # the stronger leader we saw last time, and how many times in a row
-    merge_seen: int = 0
-
-    @property
-    def swarm(self) -> int:
-        """How many peers a group must be a majority of, by our own view."""
-        return max(1, len(self.active))
-
-    def confirm_merge(self, leader: str) -> bool:  # the same better leader twice in a row
-        self.merge_seen = self.merge_seen + 1 if leader == self.merge_into else 1
-        self.merge_into = leader
-        return self.merge_seen >= 2

@@ -2,18 +2,17 @@
 
 Everything a peer decides about a round lives here, so that every peer decides it the same way and the rules are
 unit-tested without a network:
-- which peers may average together (`compatible`), and whom to gather around (`pick_leader`);
-- the leader order nobody controls (`leader_rank`) and the swarm a group must be a majority of (`active_count`);
+- which peers may average together (`compatible`), and the swarm a group must be a majority of (`active_count`);
 - how long a leader waits for peers that are about to be ready (`grace_over`);
 - which contributions are admissible (`check_contribution`), how much each weighs (`token_weights`) and their
   weighted average (`weighted_average`).
-The round's configuration and deadlines are in `swarmloco.protocol.round.config`; the fork choice between certified
-states in `swarmloco.protocol.chain.forks`.
+Who leads which view of a round is in `swarmloco.protocol.round.schedule`; the round's configuration and deadlines
+are in `swarmloco.protocol.round.config`; the fork choice between certified states in
+`swarmloco.protocol.chain.forks`.
 """
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -39,23 +38,6 @@ def compatibility_problem(records: Mapping[str, PeerRecord], *, fingerprint: str
     return f"the swarm trains a different model: {describe_difference(config, rec.config())}"
 
 
-def leader_rank(seed: str, peer: str) -> bytes:
-    """A peer's place in the leader order of a round: a hash of the round's seed (`Head.seed`: known only once the
-    previous round is certified, and not computable by any one peer) with the peer id, so no peer can claim or grind
-    its way to the front beyond trying its few admitted identities."""
-    return hashlib.sha256(f"{seed}\n{peer}".encode()).digest()
-
-
-def pick_leader(me: str, my_members: int, candidates: Iterable[str], *, needed: int, seed: str) -> str:
-    """Whom to gather around for this round: among us and the ready `candidates` at our state, the lowest
-    `leader_rank`. Every peer orders leaders the same way, so splits heal: a leader whose group is below `needed`
-    sees the better-ranked one and merges into it. A leader whose group has reached `needed` keeps it (it is about
-    to close)."""
-    if my_members and 1 + my_members >= needed:
-        return me
-    return min((me, *candidates), key=lambda p: (leader_rank(seed, p), p))
-
-
 def active_peers(records: Mapping[str, PeerRecord], round_number: int) -> set[str]:
     """The peers a group for round r must be a majority of (with us): every peer at round r − 1 or later (a peer one
     round behind is catching up; a joiner still at an old state is not training with us yet)."""
@@ -69,7 +51,7 @@ def active_count(records: Mapping[str, PeerRecord], round_number: int) -> int:
 
 def group_forming(records: Mapping[str, PeerRecord], round_number: int, state_hash: str) -> bool:
     """Whether some peer at our (round, state) is ready to average: a group for our round is about to close."""
-    return any(r.round == round_number and r.state_hash == state_hash and (r.ready or r.leading)
+    return any(r.round == round_number and r.state_hash == state_hash and r.ready
                for r in records.values())
 
 

@@ -2,8 +2,8 @@
 
 One swarm of three honest peers meets, at once: an admitted peer that claims round 1001 and serves its own random
 state without a certificate; an admitted peer that claims round 2002 and serves a NaN state under a forged
-certificate (its own signature and a key the authority never admitted); an admitted peer that claims to lead 9999
-members; an attempt to overwrite an honest peer's record; and peers without a ticket, with an expired one and with
+certificate (its own signature and a key the authority never admitted); an admitted peer at the honest state that
+claims the farthest view and holds every member that joins it; an attempt to overwrite an honest peer's record; and peers without a ticket, with an expired one and with
 a revoked one, each asking every honest peer to join its group and to send its state. A second swarm is split
 2+2, certifies rounds on both sides, and heals into one chain.
 
@@ -31,7 +31,7 @@ from hivemind.utils import get_dht_time
 from swarm_harness import Swarm, assert_no_split, genesis_hash
 
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
-from swarmloco.protocol.base.records import PROTOCOL_VERSION, PeerRecord, peers_key, revocations_key
+from swarmloco.protocol.base.records import MAX_VIEW, PROTOCOL_VERSION, PeerRecord, peers_key, revocations_key
 from swarmloco.protocol.base.wire import close_writer, read_frame, write_frame
 from swarmloco.protocol.chain.state_sync import ServedState, StateServer
 from swarmloco.protocol.network.node import SwarmNode
@@ -117,7 +117,7 @@ def test_hostile_peers_cannot_move_the_swarm(swarm: Swarm) -> None:
         _serve(forger, fingerprint, ServedState(round=2002, state_hash="2" * 64, blob=nan_blob,
                                                 certificate=forged.to_bytes()))
         _announce(forger, fingerprint, 2002, "2" * 64, work=10**13)
-        # 3. A peer claiming to lead 9999 members at θ_0, ready: it accepts joins and never closes a group.
+        # 3. A peer at the honest state claiming the farthest view, ready: it accepts joins and never closes a group.
         claimer = _node(swarm, "claimer", ticket=_ticket(swarm, "claimer"))
         hostile.append(claimer)
         joined: list[str] = []
@@ -132,19 +132,19 @@ def test_hostile_peers_cannot_move_the_swarm(swarm: Swarm) -> None:
         claimer.call(claimer.add_handler(f"swarmloco/{swarm.run_id}/avg/v{PROTOCOL_VERSION}", hold), timeout=30)
         stop_following = threading.Event()
 
-        def follow() -> None:  # keep claiming leadership at whatever state the honest peers hold
+        def follow() -> None:  # keep claiming a far view at whatever state the honest peers hold
             while not stop_following.wait(0.5):
                 try:
                     records = claimer.call(claimer.fetch_records(timeout=5), timeout=10)
                 except Exception:  # the next look retries
                     continue
-                honest = [r for r in records.values() if r.round < 1000 and r.leading < 9999]
+                honest = [r for r in records.values() if r.round < 1000 and r.view < MAX_VIEW]
                 if honest:
                     top = max(honest, key=lambda r: r.work)
                     _announce(claimer, fingerprint, top.round, top.state_hash, work=top.work, ready=True,
-                              leading=9999)
+                              view=MAX_VIEW)
 
-        _announce(claimer, fingerprint, 0, genesis_hash(), work=0, ready=True, leading=9999)
+        _announce(claimer, fingerprint, 0, genesis_hash(), work=0, ready=True, view=MAX_VIEW)
         follower = threading.Thread(target=follow, daemon=True)
         follower.start()
         # 4. No ticket, an expired one, a revoked one.
@@ -225,7 +225,7 @@ def _wait_for_records(node: SwarmNode, n: int, *, all_ids: bool = False, exclude
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         records = node.call(node.fetch_records(timeout=5), timeout=10)
-        honest = [p for p, r in records.items() if r.round < 1000 and r.leading < 9999 and p not in exclude]
+        honest = [p for p, r in records.items() if r.round < 1000 and r.view < MAX_VIEW and p not in exclude]
         if len(honest) >= n:
             return honest if all_ids else honest[0]
         time.sleep(0.5)

@@ -16,7 +16,7 @@ from swarmloco.protocol.network.node import SwarmNode
 from swarmloco.protocol.round.averager import Averager
 from swarmloco.protocol.round.config import LocalModel, RoundConfig
 from swarmloco.protocol.round.groups import Group
-from swarmloco.protocol.round.rules import leader_rank
+from swarmloco.protocol.round.schedule import view_rank
 from swarmloco.protocol.trust.admission import Credentials, Gate, Ticket
 from swarmloco.protocol.trust.certificates import Head
 from swarmloco.protocol.trust.identity import Identity, load_or_create_identity
@@ -63,7 +63,7 @@ def test_split_groups_below_quorum_merge(tmp_path: Path) -> None:
         cfg = RoundConfig(quorum=4, grace_min_s=0.0, grace_max_s=0.0, round_timeout_s=45)
         model = LocalModel(fingerprint="fp", config={}, numel=10)
         averagers = [Averager(n, cfg, model, credentials=n.credentials, gate=n.gate, genesis_hash=H1) for n in nodes]
-        ids = sorted((n.peer_id for n in nodes), key=lambda p: leader_rank(H1, p))
+        ids = sorted((n.peer_id for n in nodes), key=lambda p: view_rank(H1, 0, p))
         halves = [set(ids[0::2]), set(ids[1::2])]  # each half holds one of the two best-ranked ids: two leaders
         for n, averager in zip(nodes, averagers, strict=False):
             n.fetch_records = partitioned(n)  # type: ignore[method-assign]

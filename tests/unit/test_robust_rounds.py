@@ -113,13 +113,13 @@ def test_a_part_with_a_flipped_bit_drops_only_its_sender(net: FakeNetwork, monke
 def test_a_member_that_stalls_costs_one_short_round_then_sits_out(net: FakeNetwork) -> None:
     """A member that sits on its parts and its shard: the round is given up a grace after the majority's frames
     came (not at the 30 s transfer deadline), blaming it; the leader leaves it out of its next plans, and the
-    round after commits without it."""
+    round after (the next view, under another leader) commits."""
     averagers, out = _with_attacker(net, "exchange=stall@*", exchange_timeout_s=30)
     staller = averagers[3].transport.peer_id
     assert all(r.outcome == Outcome.DISCARDED for r, _ in out[:3]), [r.reason for r, _ in out]
     assert all(r.seconds < 7 for r, _ in out[:3]), [r.seconds for r, _ in out]  # the staller sits for 8 s
     assert any(r.blame == staller and "too slow" in r.reason for r, _ in out[:3]), [r.reason for r, _ in out]
+    leader = next(a for a, (r, _) in zip(averagers, out, strict=True) if r.role == "leader")
+    assert staller in leader.steps.suspended  # type: ignore[union-attr]
     again, _ = round_from_heads(averagers)
-    assert all(r.outcome == Outcome.COMMITTED and staller not in r.members for r in again[:3]), \
-        [r.reason for r in again]
-    assert "stalled" in again[3].reason or "excluded" in again[3].reason, again[3].reason
+    assert all(r.outcome == Outcome.COMMITTED for r in again[:3]), [r.reason for r in again]

@@ -16,8 +16,6 @@ from swarmloco.protocol.round.rules import (
     compatible,
     grace_over,
     group_forming,
-    leader_rank,
-    pick_leader,
     token_weights,
     weighted_average,
 )
@@ -52,22 +50,6 @@ def test_outranks_is_a_strict_total_order() -> None:
                 assert outranks(x, y) != outranks(y, x)
 
 
-def test_pick_leader_follows_a_rank_no_peer_controls() -> None:
-    peers = [f"peer-{i}" for i in range(8)]
-    order = sorted(peers, key=lambda p: leader_rank(H1, p))
-    # every peer picks the same leader, whoever it is and whatever the others claim to be leading
-    assert {pick_leader(me, 0, [p for p in peers if p != me], needed=4, seed=H1) for me in peers} == {order[0]}
-    # the order changes with the state: nobody is leader of every round
-    assert len({min(peers, key=lambda p: leader_rank(h, p)) for h in ("1" * 64, "2" * 64, "3" * 64, "4" * 64,
-                                                                       "5" * 64, "6" * 64)}) > 1
-    # a split: a worse-ranked leader below the size it needs merges into the better one, which stays
-    best, worse = order[0], order[1]
-    assert pick_leader(worse, 1, [best], needed=4, seed=H1) == best
-    assert pick_leader(best, 1, [worse], needed=4, seed=H1) == best
-    # a group that has reached its size is about to close: it never merges away
-    assert pick_leader(worse, 1, [best], needed=2, seed=H1) == worse
-
-
 def test_active_counts_the_swarm_a_group_must_be_a_majority_of() -> None:
     records = {"a": rec(round=5), "b": rec(round=4), "c": rec(round=1), "d": rec(round=0)}
     assert active_count(records, 5) == 3  # us, a, and b (one round behind: catching up); not the joiners
@@ -79,7 +61,7 @@ def test_compatible_and_group_forming() -> None:
     records = {"a": rec(), "b": rec(fingerprint="other"), "c": rec(version=PROTOCOL_VERSION + 1)}
     assert list(compatible(records, "fp")) == ["a"]
     assert not group_forming({"a": rec()}, 3, H1)
-    assert group_forming({"a": rec(ready=True)}, 3, H1) and group_forming({"a": rec(leading=1)}, 3, H1)
+    assert group_forming({"a": rec(ready=True)}, 3, H1)
     assert not group_forming({"a": rec(ready=True)}, 4, H1) and not group_forming({"a": rec(ready=True)}, 3, H2)
 
 

@@ -8,13 +8,14 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from _fake_rounds import NUMEL, by_rank, peers, round_from_heads, whole_round
+from _fake_rounds import H0, NUMEL, by_rank, peers, round_from_heads, whole_round
 
 from swarmloco.protocol.base.codecs import Codec, get_codec
 from swarmloco.protocol.base.hooks import Hooks
 from swarmloco.protocol.base.outcome import Outcome
 from swarmloco.protocol.round.config import LocalModel
 from swarmloco.protocol.round.plans import shard_bounds
+from swarmloco.protocol.round.schedule import view_leader
 from swarmloco.protocol.testing.fake import FakeNetwork
 
 pytestmark = pytest.mark.timeout(60)
@@ -65,14 +66,13 @@ def test_a_member_dying_mid_reduce_loses_the_round_for_everyone(net: FakeNetwork
     assert all(not a.holds_new_state for _, a in survivors)
     alive = [av for av in averagers if av.transport.peer_id != victim]
     assert all(av.head.round == 0 for av in alive)
-    # The leader is not to blame for a member's death: nobody skips it (skipping would leave it leading alone and
-    # everyone else waiting for a group around someone else), and the survivors certify the round around it.
-    assert not [av for av in alive if av.matchmaker._stalled], "a survivor skips the leader"  # type: ignore[union-attr]
-    for av in alive:  # all ready before anyone looks, so that everyone sees the same best-ranked leader
-        av.transport.update_record(ready=True)
+    # Every survivor was in the lost group, so all of them move on to the next view together, and certify the round
+    # around that view's leader (nobody skips anyone on its own judgement).
     again, _ = round_from_heads(alive)
     assert [r.outcome for r in again] == [Outcome.COMMITTED] * 3, [r.reason for r in again]
-    assert {r.leader for r in again} == {alive[0].transport.peer_id}
+    views = {av.matchmaker.views.current for av in alive}  # type: ignore[union-attr]
+    assert len(views) == 1 and views != {0}, views
+    assert {r.leader for r in again} == {view_leader(H0, views.pop(), [av.transport.peer_id for av in alive])}
 
 
 class _BadResultCodec(Codec):

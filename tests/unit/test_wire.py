@@ -20,7 +20,7 @@ from swarmloco.protocol.round.rules import compatibility_problem
         {"round": -1},
         {"round": 2**50},
         {"ready": 1},
-        {"leading": True},
+        {"view": True},
         {"eta": float("nan")},
         {"state_hash": "abc"},
         {"config_json": "x" * 5000},

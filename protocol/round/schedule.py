@@ -1,0 +1,139 @@
+"""The view schedule: who leads a round's group, and until when, as a pure function of shared facts and the time.
+
+A round at a state (r, hash) runs in views 0, 1, 2, ... . View v lasts `ViewSchedule.length(v)`: a base that doubles
+with every view up to a cap, so that under any (unknown) bound on delays some view is long enough for an honest
+leader to gather its group. The views are counted from the state's anchor: the earliest time a peer at that state
+said it was ready (its record's `eta` once `ready`), so every peer that reads the same records numbers the views
+alike, whoever read them first.
+
+The leader of view v is, among the peers at the state expected to be ready by the middle of the view (their records'
+`eta`: when they became ready, or when they expect to), the one whose hash of (seed, v, peer id) is lowest. Peers
+at a state become ready within moments of each other (a peer that sees another ready ends its local training early),
+so in practice every peer at the state is a candidate. The seed comes from the state's certificate, so no peer can
+choose its place, and each view draws a new order: a leader that stalls, crashes or lies costs its view, for every
+peer at once, and the next view has another leader. Nothing here is one peer's impression of another: no skip
+lists, no counts of who seems to be leading. The only per-peer facts are evidence (a peer proven to cheat is banned)
+and the peer's own history (a group it took part in that did not commit makes it move on to the next view).
+
+A view ends for everyone at its scheduled time, or earlier for a peer that sees a ready peer at its state already in
+the next view, once half of its own view has passed: a peer whose anchor was a little late catches up, and a
+stranger advertising later views can at most halve the views, which still grow.
+
+`decide` is the whole decision, with the clock passed in, so it is unit-tested without a network or a real clock.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from enum import Enum
+
+from swarmloco.protocol.base.records import MAX_VIEW, PeerRecord
+from swarmloco.protocol.round.config import RoundConfig
+
+POLL_S = 0.25  # a leader re-reads the records this often while it waits for members (a join wakes it at once)
+DOUBLINGS = 3  # view lengths double this many times: base, 2×, 4×, then 8× for every later view
+
+
+@dataclass(frozen=True)
+class ViewSchedule:
+    """View lengths: `base_s` · 2^v, capped at `base_s` · 2^DOUBLINGS."""
+
+    base_s: float
+
+    @classmethod
+    def of(cls, cfg: RoundConfig) -> ViewSchedule:
+        """The shortest base that fits one honest view: a join and its reply, the grace window, the close."""
+        return cls(base_s=cfg.view_s or cfg.grace_max_s + 2 * cfg.control_timeout_s + 2 * POLL_S)
+
+    @property
+    def cap_s(self) -> float:
+        return self.base_s * 2**DOUBLINGS
+
+    def length(self, view: int) -> float:
+        return self.base_s * 2 ** min(view, DOUBLINGS)
+
+    def start(self, view: int) -> float:
+        """Seconds from the anchor to the start of `view`."""
+        if view <= DOUBLINGS + 1:
+            return self.base_s * (2**view - 1)
+        return self.start(DOUBLINGS + 1) + (view - DOUBLINGS - 1) * self.cap_s
+
+    def at(self, elapsed: float) -> int:
+        """The view `elapsed` seconds after the anchor (0 before it)."""
+        for view in range(DOUBLINGS + 1):
+            if elapsed < self.start(view + 1):
+                return view
+        return min(MAX_VIEW, DOUBLINGS + 1 + int((elapsed - self.start(DOUBLINGS + 1)) // self.cap_s))
+
+
+def view_rank(seed: str, view: int, peer: str) -> bytes:
+    """A peer's place in the leader order of one view: no peer controls the seed, and every view reshuffles."""
+    return hashlib.sha256(f"{seed}\n{view}\n{peer}".encode()).digest()
+
+
+def view_leader(seed: str, view: int, candidates: Collection[str]) -> str | None:
+    return min(candidates, key=lambda p: (view_rank(seed, view, p), p), default=None)
+
+
+class Action(Enum):
+    LEAD = "lead"  # gather members; close once quorum and grace allow, before the view ends
+    JOIN = "join"  # join `leader`'s group, waiting for it to close at most until the view ends
+    WAIT = "wait"  # nobody to follow in this view (it has no leader, or we may not take part in it)
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    view: int
+    leader: str | None
+    ends_at: float  # wall time the view ends
+
+    def until_end(self, now: float) -> float:
+        return max(0.0, self.ends_at - now)
+
+
+@dataclass
+class Views:
+    """One peer's place in the views of one state: the anchor it has seen, and the lowest view it may still use.
+
+    The anchor only moves earlier (a peer ready before any we had seen), never further back than `lookback_s` before
+    our own readiness: a record backdating its readiness would otherwise jump the whole swarm to the capped views."""
+
+    round: int
+    state_hash: str
+    ready_at: float  # wall time we said we were ready (our record's eta)
+    anchor: float
+    floor: int = 0  # after a group of ours did not commit: one past its view
+    current: int = 0  # the view we are in (never goes back)
+
+    def see(self, ready_etas: Collection[float], *, lookback_s: float) -> None:
+        earliest = self.ready_at - lookback_s
+        self.anchor = min([self.anchor, *(e for e in ready_etas if e >= earliest)])
+
+    def ready_again(self, now: float) -> None:
+        """A new attempt at the same state: our readiness moves, the anchor stays."""
+        self.ready_at = now
+
+
+def decide(*, me: str, views: Views, here: Mapping[str, PeerRecord], seed: str, schedule: ViewSchedule,
+           now: float) -> Decision:
+    """What to do now at our state. `here`: the credible, unbanned records of the other peers at our (round, hash).
+    Updates `views.current`; the rest of `views` is read only. A leader that is not ready yet is followed all the
+    same: it starts collecting as soon as it is, and its view is long enough for that."""
+    ready = {p: r for p, r in here.items() if r.ready and p != me}
+    view = max(schedule.at(now - views.anchor), views.floor, views.current)
+    ahead = any(r.view > view for r in ready.values())
+    if ahead and now - views.anchor >= schedule.start(view) + schedule.length(view) / 2:
+        view = min(MAX_VIEW, view + 1)
+    views.current = view
+    began = views.anchor + schedule.start(view)
+    ends_at = began + schedule.length(view)  # a view entered ahead of the schedule runs to its scheduled end
+    cutoff = began + schedule.length(view) / 2
+    candidates = [p for p, r in here.items() if r.eta <= cutoff and p != me]
+    if views.ready_at <= cutoff:
+        candidates.append(me)
+    leader = view_leader(seed, view, candidates)
+    if leader is None:
+        return Decision(Action.WAIT, view, None, ends_at)
+    return Decision(Action.LEAD if leader == me else Action.JOIN, view, leader, ends_at)

@@ -1,0 +1,114 @@
+"""The view schedule as a pure function: the same records and the same time give every peer the same leader."""
+from __future__ import annotations
+
+import itertools
+
+from _records import H1, rec
+
+from swarmloco.protocol.base.records import MAX_VIEW
+from swarmloco.protocol.round.config import RoundConfig
+from swarmloco.protocol.round.schedule import DOUBLINGS, Action, Views, ViewSchedule, decide, view_leader
+
+SCHEDULE = ViewSchedule(base_s=2.0)
+PEERS = [f"peer-{i}" for i in range(4)]
+T0 = 1_000.0  # wall time the first peer became ready
+
+
+def _views(ready_at: float = T0, anchor: float | None = None, **kw: int) -> Views:
+    return Views(round=3, state_hash=H1, ready_at=ready_at, anchor=ready_at if anchor is None else anchor, **kw)
+
+
+def _here(me: str, **fields: object) -> dict:
+    return {p: rec(ready=True, eta=T0, **fields) for p in PEERS if p != me}
+
+
+def test_view_lengths_double_up_to_a_cap_and_tile_the_time() -> None:
+    assert [SCHEDULE.length(v) for v in range(6)] == [2, 4, 8, 16, 16, 16]
+    assert SCHEDULE.cap_s == 2.0 * 2**DOUBLINGS
+    for v in range(12):
+        assert SCHEDULE.start(v + 1) == SCHEDULE.start(v) + SCHEDULE.length(v)
+        assert SCHEDULE.at(SCHEDULE.start(v)) == v and SCHEDULE.at(SCHEDULE.start(v + 1) - 1e-6) == v
+    assert SCHEDULE.at(-5.0) == 0
+    assert SCHEDULE.at(1e12) == MAX_VIEW  # a far-past anchor is bounded, not an overflow
+    base = ViewSchedule.of(RoundConfig(grace_max_s=3, control_timeout_s=2)).base_s
+    assert base >= 3 + 2 * 2  # a view fits a join, the grace window and the close
+    assert ViewSchedule.of(RoundConfig(view_s=7.5)).base_s == 7.5
+
+
+def test_every_peer_computes_the_same_leader_and_roles() -> None:
+    for now in (T0 + 0.1, T0 + 3.0, T0 + 40.0):
+        decisions = {me: decide(me=me, views=_views(), here=_here(me), seed=H1, schedule=SCHEDULE, now=now)
+                     for me in PEERS}
+        leaders = {d.leader for d in decisions.values()}
+        assert len(leaders) == 1 and leaders <= set(PEERS)
+        (leader,) = leaders
+        assert decisions[leader].action is Action.LEAD
+        assert all(d.action is Action.JOIN for p, d in decisions.items() if p != leader)
+        assert len({(d.view, d.ends_at) for d in decisions.values()}) == 1
+
+
+def test_each_view_draws_a_new_leader_so_a_stalled_one_costs_one_view() -> None:
+    leaders = [view_leader(H1, v, PEERS) for v in range(40)]
+    assert set(leaders) == set(PEERS)  # nobody leads every view, and everybody leads some
+    # the longest run of views one peer leads in a row is short: a staller never holds the round for long
+    assert max(len(list(run)) for _, run in itertools.groupby(leaders)) <= 4
+    other_seed = [view_leader("2" * 64, v, PEERS) for v in range(40)]
+    assert other_seed != leaders  # the order comes from the certified seed
+
+
+def test_a_late_reader_adopts_the_earliest_readiness_and_agrees() -> None:
+    early = _views()
+    late = _views(ready_at=T0 + 5.0)  # ready 5 s later; it has not yet read the earliest record
+    now = T0 + 9.0
+    me = PEERS[0]
+    assert decide(me=me, views=late, here={}, seed=H1, schedule=SCHEDULE, now=now).view == 1
+    late.see([T0, T0 + 1.0], lookback_s=60)
+    assert late.anchor == T0
+    here = _here(me)
+    assert decide(me=me, views=late, here=here, seed=H1, schedule=SCHEDULE, now=now).view == \
+        decide(me=me, views=early, here=here, seed=H1, schedule=SCHEDULE, now=now).view == 2
+
+
+def test_a_backdated_readiness_moves_the_anchor_no_further_than_the_lookback() -> None:
+    views = _views()
+    views.see([T0 - 86_400.0], lookback_s=30.0)  # a stranger says it was ready a day ago: ignored
+    assert views.anchor == T0
+    views.see([T0 - 20.0], lookback_s=30.0)
+    assert views.anchor == T0 - 20.0
+    views.see([T0 + 50.0], lookback_s=30.0)  # the anchor only moves earlier
+    assert views.anchor == T0 - 20.0
+
+
+def test_an_advertised_later_view_ends_ours_only_past_its_half_and_by_one() -> None:
+    me = PEERS[0]
+    here = _here(me, view=MAX_VIEW)  # strangers say they are far ahead
+    at = lambda t: decide(me=me, views=_views(), here=here, seed=H1, schedule=SCHEDULE, now=t).view  # noqa: E731
+    assert at(T0 + 0.5) == 0  # view 0 (2 s long) has not reached its half: stays
+    assert at(T0 + 1.0) == 1  # past its half: one view on, never to the advertised one
+    views = _views()
+    seen = [decide(me=me, views=views, here=here, seed=H1, schedule=SCHEDULE, now=T0 + 0.01 * i).view
+            for i in range(200)]  # two seconds of polls
+    assert max(seen) == 1  # the pull of a far-ahead record is one view per half view, not one per poll
+
+
+def test_views_never_go_back_and_a_failed_group_moves_us_on() -> None:
+    me = PEERS[0]
+    views = _views(floor=3)
+    d = decide(me=me, views=views, here=_here(me), seed=H1, schedule=SCHEDULE, now=T0 + 0.1)
+    assert d.view == 3 and d.leader == view_leader(H1, 3, PEERS)
+    assert d.ends_at == T0 + SCHEDULE.start(3) + SCHEDULE.length(3)
+    views.floor = 0
+    assert decide(me=me, views=views, here=_here(me), seed=H1, schedule=SCHEDULE, now=T0 + 0.2).view == 3
+
+
+def test_only_peers_expected_ready_by_the_middle_of_the_view_can_lead_it() -> None:
+    me = PEERS[0]
+    here = {p: rec(ready=False, eta=T0 + 3600.0) for p in PEERS[1:]}  # busy for an hour
+    d = decide(me=me, views=_views(), here=here, seed=H1, schedule=SCHEDULE, now=T0 + 0.1)
+    assert (d.action, d.leader) == (Action.LEAD, me)  # alone: we lead, nobody waits on the busy peers
+    here[PEERS[1]] = rec(ready=False, eta=T0 + 0.5)  # about to be ready: a candidate though not ready yet
+    d = decide(me=me, views=_views(), here=here, seed=H1, schedule=SCHEDULE, now=T0 + 0.1)
+    assert d.leader == view_leader(H1, 0, [me, PEERS[1]])
+    nobody = decide(me=me, views=_views(ready_at=T0 + 30.0, anchor=T0), here={}, seed=H1, schedule=SCHEDULE,
+                    now=T0 + 0.5)
+    assert nobody.action is Action.WAIT and nobody.leader is None  # we came late into this view; it had no one
