@@ -3,9 +3,9 @@
 One swarm of three honest peers meets, at once: an admitted peer that claims round 1001 and serves its own random
 state without a certificate; an admitted peer that claims round 2002 and serves a NaN state under a forged
 certificate (its own signature and a key the authority never admitted); an admitted peer at the honest state that
-claims the farthest view and holds every member that joins it; an attempt to overwrite an honest peer's record; and peers without a ticket, with an expired one and with
-a revoked one, each asking every honest peer to join its group and to send its state. A second swarm is split
-2+2, certifies rounds on both sides, and heals into one chain.
+claims the farthest view and holds every member that joins it; an attempt to overwrite an honest peer's record;
+and peers without a ticket, with an expired one and with a revoked one, each asking every honest peer to join its
+group and to send its state. A second swarm is split 2+2, certifies rounds on both sides, and heals into one chain.
 
 Each test ends with the honest peers on one certified hash with finite parameters. On the code before tickets,
 signed records and certificates, the first swarm adopts round 1001's state (or stops at it, past --max-rounds) and
