@@ -299,6 +299,7 @@ class SwarmSync:
         result: RoundResult = self.averager.run_round(group, contribution, apply=apply,
                                                       rollback=lambda: r.restore(before[-1]))
         entry.update(outcome=result.outcome, leader=result.leader, members=result.members, role=result.role,
+                     view=group.view,
                      cheaters=result.cheaters or None)  # peers proven to have cheated, banned from now on
         if result.outcome == Outcome.DISCARDED:
             self.node.update_record(ready=False)

@@ -100,7 +100,7 @@ class ChaosRun:
         p = self.peers[name]
         p.restarts += 1
         p.argv = self._peer_argv(p.index, p.workdir, wait_for=0)
-        p.start(self.env, resume=(p.workdir / "checkpoint" / "state.json").exists())
+        p.start(self._env(p.index), resume=(p.workdir / "checkpoint" / "state.json").exists())
         self._record(p)
 
     def signal_peer(self, name: str, sig: int) -> None:
@@ -184,6 +184,11 @@ class ChaosRun:
             argv += ["--initial-peer", maddr]
         return argv
 
+    def _env(self, index: int) -> dict[str, str]:
+        """A peer's environment: the run's, with the scenario's fault spec for this peer if it has one."""
+        spec = dict(self.scenario.faults).get(index)
+        return self.env if spec is None else {**self.env, "SWARMLOCO_FAULTS": spec}
+
     def _record(self, p: PeerProc) -> None:
         if p.proc is not None:
             self.peer_pids.add(p.proc.pid)
@@ -200,7 +205,7 @@ class ChaosRun:
         for i in range(self.cfg.peers):
             workdir = self.root / f"peer-{i}"
             p = PeerProc(i, workdir, self._peer_argv(i, workdir, wait_for=self.cfg.peers))
-            p.start(self.env, resume=False)
+            p.start(self._env(i), resume=False)
             self._record(p)
             self.peers[f"peer-{i}"] = p
         deadline = time.monotonic() + self.cfg.join_timeout_s
@@ -326,8 +331,7 @@ def run_chaos_config(cfg: ChaosConfig) -> dict[str, Any]:
     fields = summary_fields(run.peers, run.t0, stopped_at)
     live = {name: final_hash(p, run.t0) for name, p in run.peers.items()}
     notes = [
-        "views_per_round: there are no views; this is the mean number of group-formation attempts (round events: "
-        "committed, discarded, behind, mismatch) per committed round, per peer",
+        "views_per_round: the mean over committed round events of (the view the group formed in + 1)",
         "tokens: the certified plans' bounded token weights summed over the rounds all reporting peers agree on, "
         "within the fault window plus settling; goodput divides them by that wall time",
         "peak_rss_mb sums RSS over each peer's process tree (shared pages counted in every process)",

@@ -108,16 +108,12 @@ def agreed_rounds(peers: dict[str, PeerProc]) -> Agreed:
     return Agreed(rounds={r: info[r] for r in sorted(hashes) if r not in split}, split=split)
 
 
-def attempts_per_round(peers: dict[str, PeerProc]) -> float | None:
-    """Group-formation attempts per committed round: every `round` event is the end of one attempt to form a group
-    (committed, discarded, behind or mismatch); per peer, attempts / rounds it committed, averaged over peers."""
-    ratios = []
-    for p in peers.values():
-        rounds = [e for e in p.events if e.get("event") == "round"]
-        committed = sum(e.get("outcome") == "committed" for e in rounds)
-        if committed:
-            ratios.append(len(rounds) / committed)
-    return round(sum(ratios) / len(ratios), 3) if ratios else None
+def views_per_round(peers: dict[str, PeerProc]) -> float | None:
+    """Views each committed round took: its group formed in view v of the round's schedule, so the round used v + 1
+    views (v = 0: the first leader's group committed). The mean over every peer's committed rounds."""
+    views = [int(e.get("view", 0)) + 1 for p in peers.values() for e in p.events
+             if e.get("event") == "round" and e.get("outcome") == "committed"]
+    return round(sum(views) / len(views), 3) if views else None
 
 
 def newest_state(p: PeerProc) -> tuple[int, str] | None:
@@ -218,5 +214,5 @@ def summary_fields(peers: dict[str, PeerProc], t0: float, t1: float) -> dict[str
         "tokens_committed": tokens,
         "wall_s": round(wall, 2),
         "goodput_tokens_per_s": round(tokens / wall, 3),
-        "views_per_round": attempts_per_round(peers),
+        "views_per_round": views_per_round(peers),
     }

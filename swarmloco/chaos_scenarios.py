@@ -181,6 +181,7 @@ class Scenario:
     duration_s: float = 180.0
     quick_duration_s: float = 40.0
     coordinator: bool = False
+    faults: tuple[tuple[int, str], ...] = ()  # (peer index, SWARMLOCO_FAULTS spec): hostile peers of the scenario
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -192,6 +193,8 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario(name="sigstop-leader", help="SIGSTOP the current round's leader for two round timeouts",
                  make=lambda quick, seed: SigstopLeader(at_s=3.0 if quick else 20.0), quick_duration_s=45.0),
         Scenario(name="burners", help="two CPU burner processes beside the peers", make=lambda quick, seed: Burners()),
+        Scenario(name="leader-staller", help="one peer that, in every view it leads, accepts members and never closes",
+                 make=lambda quick, seed: Steady(), faults=((0, "lead=hold@*"),)),
         Scenario(name="coordinator-restart", help="kill the coordinator mid-run, restart it on the same db and port",
                  make=lambda quick, seed: CoordinatorRestart(at_s=10.0 if quick else 60.0), coordinator=True),
     )

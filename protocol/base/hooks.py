@@ -27,6 +27,10 @@ class Hooks:
     def before_commit(self, round_number: int) -> None:
         """The leader holds the average; nobody has the result yet."""
 
+    def hold_group(self, round_number: int) -> bool:
+        """As the view's leader: keep every member that joins and never close the group (a leader that stalls)."""
+        return False
+
     def send_delay(self, round_number: int) -> float:
         """Seconds to sit on each part and each reduced shard before sending it (a member that stalls)."""
         return 0.0

@@ -112,7 +112,7 @@ class Averager:
         self.steps = RoundSteps(self.transport, self.cfg, self.model, chain=self.chain, credentials=self.credentials,
                                 codec=self.codec, router=router, hooks=self.hooks, use_tcp=hosts is not None)
         self.matchmaker = Matchmaker(self.transport, self.cfg, self.model, chain=self.chain, gate=self.gate,
-                                     credentials=self.credentials)
+                                     credentials=self.credentials, hooks=self.hooks)
         await self.matchmaker.register()
 
     def close(self, *, timeout: float = 10.0) -> None:

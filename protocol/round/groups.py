@@ -36,6 +36,7 @@ class Group:
     links: dict[str, Link]
     release: asyncio.Future[None] | None = None  # leader: resolved once the exchange is over (join handlers then end)
     swarm: int = 1  # active peers the group is a majority of (the leader's count, checked by every member)
+    view: int = 0  # the view of the round's schedule the group formed in
     tickets: dict[str, bytes] = field(default_factory=dict)  # leader: each member's ticket, for the certificate
     # leader: how far the round got, so that an abort is the message members wait for (a Plan, the Contributors,
     # or a Commit)

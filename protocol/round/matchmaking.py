@@ -24,6 +24,7 @@ import logging
 import time
 
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
+from swarmloco.protocol.base.hooks import Hooks
 from swarmloco.protocol.base.records import PROTOCOL_VERSION, PeerRecord
 from swarmloco.protocol.base.text import bounded, short_id
 from swarmloco.protocol.base.wire import WireError, close_writer, read_frame, write_frame
@@ -53,8 +54,10 @@ class Matchmaker:
         chain: Chain,
         gate: Gate,
         credentials: Credentials,
+        hooks: Hooks | None = None,
     ) -> None:
         self.transport, self.cfg, self.model = transport, cfg, model
+        self.hooks = hooks or Hooks()
         self.chain, self.gate, self.credentials = chain, gate, credentials
         self.deadlines = Deadlines.of(cfg)
         self.schedule = ViewSchedule.of(cfg)
@@ -116,6 +119,7 @@ class Matchmaker:
                         await asyncio.sleep(min(POLL_S, decision.until_end(time.time())))
                 if isinstance(group, Group):
                     self._formed = (round_number, state_hash, decision.view)
+                    group.view = decision.view
                     return group
             raise RoundAborted(
                 f"no group of {need(swarm, self.cfg.quorum)} (a majority of {swarm} active peers) "
@@ -146,7 +150,7 @@ class Matchmaker:
         for a join or the next poll."""
         collect = self._ensure_collecting(round_number, decision.view)
         now, wall = time.monotonic(), time.time()
-        if 1 + len(collect.members) >= need(len(active), self.cfg.quorum):
+        if 1 + len(collect.members) >= need(len(active), self.cfg.quorum) and not self.hooks.hold_group(round_number):
             collect.quorum_at = collect.quorum_at or now
             etas = [None if r.ready else max(0.0, r.eta - wall) for p, r in here.items() if p not in collect.members]
             if grace_over(waited=now - collect.quorum_at, etas=etas, cfg=self.cfg) or \

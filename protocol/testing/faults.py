@@ -14,6 +14,7 @@ the first time the phase is reached) runs with a `FaultInjector` as its hooks. P
     exchange=stall30           the same for 30 s: past the grace of any round with the default control deadline,
                                on a machine however busy (a slow-drip member)
     serve_state=corrupt        serve random bytes to state downloaders (a lying donor)
+    lead=hold                  as a view's leader, accept every member and never close the group
 A round of `*` arms the fault for every round.
 Every firing is appended to `fired` and reported through `on_fire` before the action happens.
 """
@@ -32,9 +33,9 @@ from swarmloco.protocol.base.hooks import Hooks
 logger = logging.getLogger(__name__)
 ENV = "SWARMLOCO_FAULTS"
 PHASES = {"inner_step", "member_after_send", "leader_before_commit", "contribute", "reduce", "exchange",
-          "serve_state"}
+          "serve_state", "lead"}
 ACTIONS = {"kill", "nan", "wrong_numel", "inflate", "zero_tokens", "corrupt", "negate1000", "random1000", "flip",
-           "noise1000", "equivocate", "stall", "stall30"}
+           "noise1000", "equivocate", "stall", "stall30", "hold"}
 EVERY = -1  # the round of a fault armed for every round
 
 
@@ -119,6 +120,14 @@ class FaultInjector(Hooks):
             delta = noise * (1000.0 * float(delta.norm()) / max(float(noise.norm()), 1e-30))
             tokens *= 1000
         return delta, tokens
+
+    def hold_group(self, round_number: int) -> bool:  # asked on every poll: fires once per round it holds
+        if getattr(self, "_held_round", None) == round_number:
+            return True
+        if self.match("lead", round_number) != "hold":
+            return False
+        self._held_round = round_number
+        return True
 
     def send_delay(self, round_number: int) -> float:
         if getattr(self, "_stalled_round", None) == round_number:

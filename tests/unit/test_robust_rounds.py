@@ -1,5 +1,6 @@
 """Attacks on a round's data on the in-memory transport: a poisoned contribution, cheating reducers (a wrong
-shard, a shard 1000× too long, different shards for different members), and bits flipped on the way.
+shard, a shard 1000× too long, different shards for different members), bits flipped on the way, and a leader that holds
+its group.
 
 Each defence has its control: the plain mean lets the poison through, and the checks it proves are the ones that
 name the cheater (take one out and the test fails)."""
@@ -9,11 +10,12 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from _fake_rounds import NUMEL, by_rank, peers, round_from_heads, whole_round
+from _fake_rounds import H0, NUMEL, by_rank, peers, round_from_heads, whole_round
 
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
 from swarmloco.protocol.base.outcome import Outcome
 from swarmloco.protocol.round.pipes import Pipe
+from swarmloco.protocol.round.schedule import view_leader
 from swarmloco.protocol.testing.fake import FakeNetwork
 from swarmloco.protocol.testing.faults import FaultInjector
 
@@ -123,3 +125,19 @@ def test_a_member_that_stalls_costs_one_short_round_then_sits_out(net: FakeNetwo
     assert staller in leader.steps.suspended  # type: ignore[union-attr]
     again, _ = round_from_heads(averagers)
     assert all(r.outcome == Outcome.COMMITTED for r in again[:3]), [r.reason for r in again]
+
+
+def test_a_leader_that_holds_its_group_costs_its_view_and_no_more(net: FakeNetwork) -> None:
+    """`lead=hold`: the view-0 leader accepts every member and never closes. Its view ends for every peer at once;
+    the next view has another leader, and the round commits with all four in that view (the holder, a member
+    there, contributes like anyone). Without the view schedule, every retry went back to the same leader."""
+    averagers = peers(net, 4, quorum=3, round_timeout_s=15)
+    ids = [a.transport.peer_id for a in averagers]
+    holder = next(a for a in averagers if a.transport.peer_id == view_leader(H0, 0, ids))
+    holder.hooks = holder.matchmaker.hooks = FaultInjector.parse("lead=hold@*")  # type: ignore[union-attr]
+    results, _ = whole_round(averagers)
+    assert [r.outcome for r in results] == [Outcome.COMMITTED] * 4, [r.reason for r in results]
+    (view,) = {a.matchmaker.views.current for a in averagers}  # type: ignore[union-attr]
+    leader = view_leader(H0, view, ids)
+    assert view >= 1 and leader != holder.transport.peer_id and {r.leader for r in results} == {leader}
+    assert ("lead", "hold", 0) in holder.hooks.fired  # type: ignore[attr-defined]
