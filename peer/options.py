@@ -138,6 +138,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--grace-max", "round", "grace_max_s", "upper bound of the adaptive grace window, in seconds"),
     Option("--round-timeout", "round", "round_timeout_s",
            "seconds a ready peer waits for a group before giving the round up"),
+    Option("--view", "round", "view_s",
+           "length in seconds of a round's first view (later views double, up to 8x); 0: derived from the "
+           "grace and control timeouts"),
     Option("--exchange-timeout", "round", "exchange_timeout_s", "deadline in seconds for moving one pseudo-gradient"),
     Option("--control-timeout", "round", "control_timeout_s",
            "deadline in seconds for one small control message (join request, reply, group closed, abort)"),

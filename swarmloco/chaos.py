@@ -124,6 +124,19 @@ class ChaosRun:
         self.started.append(proc)
         return proc
 
+    def start_claimant(self, index: int) -> subprocess.Popen[bytes]:
+        """An admitted peer that claims a far newer state and never answers for it (swarmloco.chaos_hostile)."""
+        workdir = self.root / f"claimant-{index}"
+        workdir.mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-m", "swarmloco.chaos_hostile", "claimant", "--run-id", self.cfg.run_id,
+                "--authority-key", str(self.root / AUTHORITY_KEY), "--workdir", str(workdir)]
+        for maddr in self.bootstrap:
+            argv += ["--initial-peer", maddr]
+        with open(workdir / "claimant.log", "ab") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=log, env=self.env, start_new_session=True)
+        self.started.append(proc)
+        return proc
+
     def stop_process(self, proc: subprocess.Popen[bytes]) -> None:
         stop_session(proc, timeout=5.0)
         try:
@@ -221,6 +234,8 @@ class ChaosRun:
                 elif not p.alive():
                     raise RuntimeError(f"{name} exited before joining; see {p.workdir / 'stderr.log'}")
         self.t0 = time.time()
+        for index, spec in self.scenario.faults:
+            self.fault(spec, f"peer-{index}")  # armed from the start, in the peer's environment
         logger.info("all %d peers joined; %s for %.0fs", len(self.peers), self.scenario.name, self.cfg.duration_s)
 
     def sample(self) -> None:

@@ -36,6 +36,8 @@ class ChaosTarget(Protocol):
 
     def start_burner(self) -> subprocess.Popen[bytes]: ...
 
+    def start_claimant(self, index: int) -> subprocess.Popen[bytes]: ...
+
     def stop_process(self, proc: subprocess.Popen[bytes]) -> None: ...
 
     def kill_coordinator(self) -> None: ...
@@ -148,6 +150,26 @@ class Burners:
 
 
 @dataclass(kw_only=True)
+class SilentClaimants:
+    """`count` admitted peers that claim a far newer state than the swarm's and never answer a request for it, for
+    the whole run."""
+
+    count: int = 3
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def tick(self, run: ChaosTarget, t: float) -> None:
+        while len(self.procs) < self.count:
+            self.procs.append(run.start_claimant(len(self.procs)))
+            run.fault("claimant-start", None)
+
+    def close(self, run: ChaosTarget) -> None:
+        for proc in self.procs:
+            run.stop_process(proc)
+            run.fault("claimant-stop", None)
+        self.procs.clear()
+
+
+@dataclass(kw_only=True)
 class CoordinatorRestart:
     """At `at_s`, SIGKILL the coordinator, and `down_s` later start it again on the same database and port."""
 
@@ -195,6 +217,8 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario(name="burners", help="two CPU burner processes beside the peers", make=lambda quick, seed: Burners()),
         Scenario(name="leader-staller", help="one peer that, in every view it leads, accepts members and never closes",
                  make=lambda quick, seed: Steady(), faults=((0, "lead=hold@*"),)),
+        Scenario(name="silent-claimants", help="three admitted peers claim a far newer state and never answer",
+                 make=lambda quick, seed: SilentClaimants()),
         Scenario(name="coordinator-restart", help="kill the coordinator mid-run, restart it on the same db and port",
                  make=lambda quick, seed: CoordinatorRestart(at_s=10.0 if quick else 60.0), coordinator=True),
     )

@@ -43,8 +43,11 @@ class ViewSchedule:
 
     @classmethod
     def of(cls, cfg: RoundConfig) -> ViewSchedule:
-        """The shortest base that fits one honest view: a join and its reply, the grace window, the close."""
-        return cls(base_s=cfg.view_s or cfg.grace_max_s + 2 * cfg.control_timeout_s + 2 * POLL_S)
+        """`view_s`, or the base that fits one honest view with every wait at its deadline (a join and its reply,
+        the grace window, the close), but no more than a third of the round timeout: a peer's attempt at a round
+        then spans at least views 0 and 1, so it is still there when its turn to lead comes."""
+        fits = cfg.grace_max_s + 2 * cfg.control_timeout_s + 2 * POLL_S
+        return cls(base_s=cfg.view_s or min(fits, cfg.round_timeout_s / 3))
 
     @property
     def cap_s(self) -> float:

@@ -61,3 +61,19 @@ def test_burners_quick(tmp_path: Path, cli_env: dict[str, str]) -> None:
 def test_sigstop_leader_quick(tmp_path: Path, cli_env: dict[str, str]) -> None:
     result = _chaos(tmp_path, cli_env, "sigstop-leader", timeout=400)
     _check(result, "sigstop-leader", "sigcont")
+
+
+@pytest.mark.timeout(420)
+def test_leader_staller_quick(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    """peer-0 holds every group it leads: it costs the views it leads, and the swarm still commits and agrees."""
+    result = _chaos(tmp_path, cli_env, "leader-staller", timeout=400)
+    _check(result, "leader-staller", "lead=hold@*")
+    assert isinstance(result["views_per_round"], float) and result["views_per_round"] >= 1.0
+
+
+@pytest.mark.timeout(420)
+def test_silent_claimants_quick(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    """Three admitted peers claim a far newer state and never answer: the honest four commit on and agree."""
+    result = _chaos(tmp_path, cli_env, "silent-claimants", timeout=400)
+    _check(result, "silent-claimants", "claimant-stop")
+    assert sum(f["kind"] == "claimant-start" for f in result["faults"]) == 3  # type: ignore[union-attr]

@@ -32,6 +32,7 @@ def test_view_lengths_double_up_to_a_cap_and_tile_the_time() -> None:
     assert SCHEDULE.at(1e12) == MAX_VIEW  # a far-past anchor is bounded, not an overflow
     base = ViewSchedule.of(RoundConfig(grace_max_s=3, control_timeout_s=2)).base_s
     assert base >= 3 + 2 * 2  # a view fits a join, the grace window and the close
+    assert ViewSchedule.of(RoundConfig(grace_max_s=3, control_timeout_s=10, round_timeout_s=15)).base_s == 5
     assert ViewSchedule.of(RoundConfig(view_s=7.5)).base_s == 7.5
 
 
