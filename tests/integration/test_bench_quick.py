@@ -158,3 +158,14 @@ def test_codecs_quick(tmp_path: Path) -> None:
         assert all(positive(entry[k]) for k in timed), name
         assert none_or_positive(entry["before_encode_s"]) and positive(entry["pipeline_vs_fp32_send"])
         assert 0 < entry["size_ratio"] <= 1 and entry["rel_error"] < 0.2, (name, entry)
+
+
+@pytest.mark.timeout(100)
+def test_views_quick(tmp_path: Path) -> None:
+    out, data = run_bench(["views"], tmp_path, 90)
+    assert "seconds ÷ first view" in out
+    cells = data["cells"]
+    assert {c["peers"] for c in cells} == {4, 32}
+    assert all(c["formed"] == c["trials"] for c in cells), cells  # 10 views is ample for every cell
+    calm = [c for c in cells if c["stalling_leaders"] == 0 and c["records_seen"] == 1]
+    assert all(c["views_mean"] == 1 for c in calm), calm  # nobody stalls, everyone sees all: the first view closes
