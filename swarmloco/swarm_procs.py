@@ -20,7 +20,7 @@ PR_SET_CHILD_SUBREAPER = 36
 
 
 class Spawner(Protocol):
-    def spawn(self, argv: list[str], stdout: str, stderr: str) -> Any: ...
+    def spawn(self, argv: list[str], stdout: str, stderr: str, *, env: dict[str, str] | None = None) -> Any: ...
 
 
 class Handle(Protocol):
@@ -57,7 +57,7 @@ class PeerProc:
             self.log_offset = self.log.stat().st_size
         argv = self.argv + (["--resume"] if resume else [])
         if self.spawner is not None:
-            self.proc = self.spawner.spawn(argv, str(self.log), str(self.workdir / "stderr.log"))
+            self.proc = self.spawner.spawn(argv, str(self.log), str(self.workdir / "stderr.log"), env=env)
             return
         with open(self.log, "ab") as out, open(self.workdir / "stderr.log", "ab") as err:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env, start_new_session=True)

@@ -7,7 +7,8 @@ the peers share those pages copy-on-write. Each forked peer is still its own ses
 exit status, like a `subprocess.Popen` started with `start_new_session=True`.
 
 Protocol on the server's stdin/stdout, one JSON object per line: `{"argv": [...], "stdout": PATH, "stderr": PATH}`
-is answered `{"pid": PID}`, and every exit of a forked peer is reported as `{"exited": PID, "rc": RC}`.
+(and optionally `"env": {...}`, the peer's whole environment, for what it reads at run time) is answered
+`{"pid": PID}`, and every exit of a forked peer is reported as `{"exited": PID, "rc": RC}`.
 """
 from __future__ import annotations
 
@@ -104,13 +105,18 @@ class Zygote:
                 return -signal.SIGKILL
         return None
 
-    def spawn(self, argv: Sequence[str], stdout: str, stderr: str, *, timeout: float = 60.0) -> ForkedPeer:
-        """Fork a peer running `python -m swarmloco.cli ARGS` (argv as for Popen) with its output in these files."""
+    def spawn(self, argv: Sequence[str], stdout: str, stderr: str, *, env: dict[str, str] | None = None,
+              timeout: float = 60.0) -> ForkedPeer:
+        """Fork a peer running `python -m swarmloco.cli ARGS` (argv as for Popen) with its output in these files.
+        `env` replaces the forked peer's environment (what it reads at run time, such as SWARMLOCO_FAULTS; what
+        was read at import, such as OMP_NUM_THREADS, is the server's)."""
         assert self.proc.stdin is not None
+        request: dict[str, Any] = {"argv": list(argv), "stdout": stdout, "stderr": stderr}
+        if env is not None:
+            request["env"] = dict(env)
         with self._cond:
             seen = len(self._pids)
-            self.proc.stdin.write(json.dumps({"argv": list(argv), "stdout": stdout, "stderr": stderr}).encode()
-                                  + b"\n")
+            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
             self.proc.stdin.flush()
             if not self._cond.wait_for(lambda: len(self._pids) > seen or self.proc.poll() is not None, timeout):
                 raise RuntimeError("the fork server did not fork the peer")
@@ -145,6 +151,9 @@ def _child(request: dict[str, Any]) -> None:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         if "numpy" in sys.modules:  # numpy's global RNG is not reseeded by fork (Python's `random` is)
             sys.modules["numpy"].random.seed()
+        if isinstance(request.get("env"), dict):
+            os.environ.clear()
+            os.environ.update({str(k): str(v) for k, v in request["env"].items()})
         argv = list(request["argv"])
         args = argv[argv.index("swarmloco.cli") + 1:] if "swarmloco.cli" in argv else argv[1:]
         sys.argv = ["swarmloco", *args]

@@ -93,13 +93,29 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.integration)
 
 
+@pytest.fixture(scope="session")
+def peer_zygote() -> Iterator[Any]:
+    """One fork server for the session's peers (`swarmloco.zygote`): torch and hivemind are imported once, and
+    every peer a `swarm` test starts is forked from it in a few milliseconds instead of importing them again."""
+    from swarmloco.zygote import Zygote
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("SWARMLOCO_FAULTS", None)
+    zygote = Zygote(env)
+    try:
+        yield zygote
+    finally:
+        zygote.close()
+
+
 @pytest.fixture
-def swarm(tmp_path: Path) -> Iterator[Any]:
-    """A fresh permissioned run of real peers (`swarm_harness.Swarm`); every process it started is gone when the
-    test ends, or the test fails. Imported here, not at the top: the unit tier never loads hivemind."""
+def swarm(tmp_path: Path, peer_zygote: Any) -> Iterator[Any]:
+    """A fresh permissioned run of real peers (`swarm_harness.Swarm`), forked from the session's fork server;
+    every process it started is gone when the test ends, or the test fails. Imported here, not at the top: the
+    unit tier never loads hivemind."""
     from swarm_harness import Swarm
 
-    s = Swarm(tmp_path)
+    s = Swarm(tmp_path, spawner=peer_zygote)
     try:
         yield s
     finally:

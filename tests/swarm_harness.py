@@ -57,8 +57,10 @@ class Swarm:
     """Peers of one permissioned run: every peer started here signs its own ticket with the run's authority key
     (a test's attacker is started without it, or with `admitted=True` to play an admitted peer gone bad)."""
 
-    def __init__(self, workdir: Path, *, run_id: str = "test-run") -> None:
-        self.workdir, self.run_id = workdir, run_id
+    def __init__(self, workdir: Path, *, run_id: str = "test-run", spawner: Any = None) -> None:
+        """`spawner`: a `swarmloco.zygote.Zygote` to fork peers from (one import of torch for every peer of the
+        session), or None to start each peer as a fresh interpreter."""
+        self.workdir, self.run_id, self.spawner = workdir, run_id, spawner
         self.authority_key = workdir / "authority.key"
         self.authority = load_or_create_identity(self.authority_key).peer_id
         self._genesis: str | None = None
@@ -126,7 +128,7 @@ class Swarm:
         argv += ["--authority-key", str(self.authority_key)] if admitted else ["--authority", self.authority]
         for maddr in self.bootstrap if bootstrap is None else bootstrap:
             argv += ["--initial-peer", maddr]
-        peer = self.peers.get(name) or PeerProc(len(self.peers), workdir, argv)
+        peer = self.peers.get(name) or PeerProc(len(self.peers), workdir, argv, spawner=self.spawner)
         peer.argv = argv
         env = dict(self.env, SWARMLOCO_FAULTS=faults) if faults else self.env
         peer.start(env, resume=resume)
@@ -189,10 +191,12 @@ class Swarm:
 
     def assert_nothing_left(self, timeout: float = 20.0) -> None:
         """No process this test started — peers, their DHT processes, p2pd — is still alive."""
+        server = self.spawner.proc.pid if self.spawner is not None else -1  # the session's fork server stays
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             # torch's shared-memory manager belongs to this test process (hivemind's DHT here) and ends with it.
-            alive = [pid for pid in _descendants(os.getpid()) if _is_running(pid) and _SHM_MANAGER not in _cmdline(pid)]
+            alive = [pid for pid in _descendants(os.getpid()) if _is_running(pid) and _SHM_MANAGER not in _cmdline(pid)
+                     and pid != server]
             if not alive:
                 return
             time.sleep(0.5)

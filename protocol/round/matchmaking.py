@@ -85,6 +85,7 @@ class Matchmaker:
         views = self._ready(round_number, state_hash)
         deadline = time.monotonic() + self.cfg.round_timeout_s
         swarm = 1
+        last: tuple[int, str] | None = None
         try:
             while time.monotonic() < deadline:
                 try:
@@ -108,13 +109,16 @@ class Matchmaker:
                 decision = decide(me=me, views=views, here=here, seed=self.seed or state_hash,
                                   schedule=self.schedule, now=time.time())
                 self.transport.update_record(view=decision.view)
+                if (decision.view, decision.leader) != last:
+                    last = (decision.view, decision.leader)
+                    logger.debug("round %d view %d: %s %s (%.1fs left in the view)", round_number, decision.view,
+                                 decision.action.value, short_id(decision.leader), decision.until_end(time.time()))
                 group: Group | Declined | None = None
                 if decision.action is Action.LEAD:
                     group = await self._lead(round_number, decision, active, here)
                 else:
                     self._abandon()  # a group of ours from an earlier view: its members move on with us
-                    if decision.action is Action.JOIN and decision.leader is not None:
-                        group = await self._try_join(decision.leader, round_number, state_hash, decision, swarm)
+                    group = await self._try_join(decision.leader, round_number, state_hash, decision, swarm)
                     if not isinstance(group, Group):
                         await asyncio.sleep(min(POLL_S, decision.until_end(time.time())))
                 if isinstance(group, Group):

@@ -6,14 +6,18 @@ leader to gather its group. The views are counted from the state's anchor: the e
 said it was ready (its record's `eta` once `ready`), so every peer that reads the same records numbers the views
 alike, whoever read them first.
 
-The leader of view v is, among the peers at the state expected to be ready by the middle of the view (their records'
-`eta`: when they became ready, or when they expect to), the one whose hash of (seed, v, peer id) is lowest. Peers
-at a state become ready within moments of each other (a peer that sees another ready ends its local training early),
-so in practice every peer at the state is a candidate. The seed comes from the state's certificate, so no peer can
-choose its place, and each view draws a new order: a leader that stalls, crashes or lies costs its view, for every
-peer at once, and the next view has another leader. Nothing here is one peer's impression of another: no skip
-lists, no counts of who seems to be leading. The only per-peer facts are evidence (a peer proven to cheat is banned)
-and the peer's own history (a group it took part in that did not commit makes it move on to the next view).
+The leader of view v is, among the peers at the state that were ready by the view's cutoff (their records say
+`ready`, and their `eta` is when they became ready), the one whose hash of (seed, v, peer id) is lowest. The cutoff
+is a short window (`ViewSchedule.window_s`) after the view began, or after the first peer became ready in it if
+nobody was ready when it began. A peer still training, or busy in an exchange, never leads: only a peer waiting for
+a group can gather one. Past the cutoff the candidates are fixed, so a peer that becomes ready later joins the
+view's leader instead of displacing it and dissolving the group it is gathering.
+
+The seed comes from the state's certificate, so no peer can choose its place, and each view draws a new order: a
+leader that stalls, crashes or lies costs its view, for every peer at once, and the next view has another leader.
+Nothing here is one peer's impression of another: no skip lists, no counts of who seems to be leading. The only
+per-peer facts are evidence (a peer proven to cheat is banned) and the peer's own history (a group it took part in
+that did not commit makes it move on to the next view).
 
 A view ends for everyone at its scheduled time, or earlier for a peer that sees a ready peer at its state already in
 the next view, once half of its own view has passed: a peer whose anchor was a little late catches up, and a
@@ -50,6 +54,12 @@ class ViewSchedule:
         return cls(base_s=cfg.view_s or min(fits, cfg.round_timeout_s / 3))
 
     @property
+    def window_s(self) -> float:
+        """How long after a view's start (or its first readiness) a newly ready peer still becomes a candidate:
+        peers ready at about the same time all get a fair draw, and later ones never displace the leader."""
+        return self.base_s / 4
+
+    @property
     def cap_s(self) -> float:
         return self.base_s * 2**DOUBLINGS
 
@@ -75,21 +85,20 @@ def view_rank(seed: str, view: int, peer: str) -> bytes:
     return hashlib.sha256(f"{seed}\n{view}\n{peer}".encode()).digest()
 
 
-def view_leader(seed: str, view: int, candidates: Collection[str]) -> str | None:
-    return min(candidates, key=lambda p: (view_rank(seed, view, p), p), default=None)
+def view_leader(seed: str, view: int, candidates: Collection[str]) -> str:
+    return min(candidates, key=lambda p: (view_rank(seed, view, p), p))
 
 
 class Action(Enum):
     LEAD = "lead"  # gather members; close once quorum and grace allow, before the view ends
     JOIN = "join"  # join `leader`'s group, waiting for it to close at most until the view ends
-    WAIT = "wait"  # nobody to follow in this view (it has no leader, or we may not take part in it)
 
 
 @dataclass(frozen=True)
 class Decision:
     action: Action
     view: int
-    leader: str | None
+    leader: str
     ends_at: float  # wall time the view ends
 
     def until_end(self, now: float) -> float:
@@ -122,8 +131,7 @@ class Views:
 def decide(*, me: str, views: Views, here: Mapping[str, PeerRecord], seed: str, schedule: ViewSchedule,
            now: float) -> Decision:
     """What to do now at our state. `here`: the credible, unbanned records of the other peers at our (round, hash).
-    Updates `views.current`; the rest of `views` is read only. A leader that is not ready yet is followed all the
-    same: it starts collecting as soon as it is, and its view is long enough for that."""
+    Updates `views.current`; the rest of `views` is read only."""
     ready = {p: r for p, r in here.items() if r.ready and p != me}
     view = max(schedule.at(now - views.anchor), views.floor, views.current)
     ahead = any(r.view > view for r in ready.values())
@@ -132,11 +140,10 @@ def decide(*, me: str, views: Views, here: Mapping[str, PeerRecord], seed: str, 
     views.current = view
     began = views.anchor + schedule.start(view)
     ends_at = began + schedule.length(view)  # a view entered ahead of the schedule runs to its scheduled end
-    cutoff = began + schedule.length(view) / 2
-    candidates = [p for p, r in here.items() if r.eta <= cutoff and p != me]
+    first = min([views.ready_at, *(r.eta for r in ready.values())])
+    cutoff = max(began, first) + schedule.window_s
+    candidates = [p for p, r in ready.items() if r.eta <= cutoff]
     if views.ready_at <= cutoff:
         candidates.append(me)
-    leader = view_leader(seed, view, candidates)
-    if leader is None:
-        return Decision(Action.WAIT, view, None, ends_at)
+    leader = view_leader(seed, view, candidates)  # never empty: the first peer ready is always a candidate
     return Decision(Action.LEAD if leader == me else Action.JOIN, view, leader, ends_at)

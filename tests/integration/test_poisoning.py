@@ -57,8 +57,8 @@ def _all_rounds(run: dict[str, Any]) -> bool:
 
 
 @pytest.fixture(scope="module")
-def clean(tmp_path_factory: pytest.TempPathFactory) -> float:
-    s = Swarm(tmp_path_factory.mktemp("clean"))
+def clean(tmp_path_factory: pytest.TempPathFactory, peer_zygote: Any) -> float:
+    s = Swarm(tmp_path_factory.mktemp("clean"), spawner=peer_zygote)
     try:
         run = _run(s)
         assert all(c == 0 for c in run["codes"].values()), s.tails()

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from _fake_rounds import H0, NUMEL, by_rank, peers, round_from_heads, whole_round
+from _fake_rounds import H0, NUMEL, announce, averager_for, by_rank, peers, round_from_heads, whole_round
 
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
 from swarmloco.protocol.base.outcome import Outcome
@@ -119,7 +119,9 @@ def test_a_member_that_stalls_costs_one_short_round_then_sits_out(net: FakeNetwo
     averagers, out = _with_attacker(net, "exchange=stall@*", exchange_timeout_s=30)
     staller = averagers[3].transport.peer_id
     assert all(r.outcome == Outcome.DISCARDED for r, _ in out[:3]), [r.reason for r, _ in out]
-    assert all(r.seconds < 7 for r, _ in out[:3]), [r.seconds for r, _ in out]  # the staller sits for 8 s
+    # given up long before the 30 s transfer deadline (the staller sits 8 s; "too slow" below shows it was not
+    # waited for), with a margin no load on the machine eats
+    assert all(r.seconds < 20 for r, _ in out[:3]), [r.seconds for r, _ in out]
     assert any(r.blame == staller and "too slow" in r.reason for r, _ in out[:3]), [r.reason for r, _ in out]
     leader = next(a for a, (r, _) in zip(averagers, out, strict=True) if r.role == "leader")
     assert staller in leader.steps.suspended  # type: ignore[union-attr]
@@ -129,15 +131,19 @@ def test_a_member_that_stalls_costs_one_short_round_then_sits_out(net: FakeNetwo
 
 def test_a_leader_that_holds_its_group_costs_its_view_and_no_more(net: FakeNetwork) -> None:
     """`lead=hold`: the view-0 leader accepts every member and never closes. Its view ends for every peer at once;
-    the next view has another leader, and the round commits with all four in that view (the holder, a member
-    there, contributes like anyone). Without the view schedule, every retry went back to the same leader."""
-    averagers = peers(net, 4, quorum=3, round_timeout_s=15)
-    ids = [a.transport.peer_id for a in averagers]
-    holder = next(a for a in averagers if a.transport.peer_id == view_leader(H0, 0, ids))
-    holder.hooks = holder.matchmaker.hooks = FaultInjector.parse("lead=hold@*")  # type: ignore[union-attr]
+    view 1 has another leader, and the round commits with all four in that view (the holder, a member there,
+    contributes like anyone). Without the view schedule, every retry went back to the same leader."""
+    honest = peers(net, 3, quorum=3, round_timeout_s=15)
+    ids = [a.transport.peer_id for a in honest]
+    transport = net.peer()
+    while view_leader(H0, 0, [*ids, transport.peer_id]) != transport.peer_id or \
+            view_leader(H0, 1, [*ids, transport.peer_id]) == transport.peer_id:
+        transport = net.peer()  # it leads view 0, and someone else leads view 1
+    holder = averager_for(transport, quorum=3, hooks=FaultInjector.parse("lead=hold@*"), round_timeout_s=15)
+    announce(transport)
+    averagers = [*honest, holder]
     results, _ = whole_round(averagers)
     assert [r.outcome for r in results] == [Outcome.COMMITTED] * 4, [r.reason for r in results]
-    (view,) = {a.matchmaker.views.current for a in averagers}  # type: ignore[union-attr]
-    leader = view_leader(H0, view, ids)
-    assert view >= 1 and leader != holder.transport.peer_id and {r.leader for r in results} == {leader}
+    assert {a.matchmaker.views.current for a in averagers} == {1}  # type: ignore[union-attr]
+    assert {r.leader for r in results} == {view_leader(H0, 1, [*ids, transport.peer_id])}
     assert ("lead", "hold", 0) in holder.hooks.fired  # type: ignore[attr-defined]

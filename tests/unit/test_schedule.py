@@ -102,14 +102,32 @@ def test_views_never_go_back_and_a_failed_group_moves_us_on() -> None:
     assert decide(me=me, views=views, here=_here(me), seed=H1, schedule=SCHEDULE, now=T0 + 0.2).view == 3
 
 
-def test_only_peers_expected_ready_by_the_middle_of_the_view_can_lead_it() -> None:
+def test_only_peers_ready_by_the_views_cutoff_can_lead_it() -> None:
     me = PEERS[0]
-    here = {p: rec(ready=False, eta=T0 + 3600.0) for p in PEERS[1:]}  # busy for an hour
+    assert SCHEDULE.window_s == 0.5
+    here = {p: rec(ready=False, eta=T0 - 5.0) for p in PEERS[1:]}  # busy: in an exchange, or still training
     d = decide(me=me, views=_views(), here=here, seed=H1, schedule=SCHEDULE, now=T0 + 0.1)
     assert (d.action, d.leader) == (Action.LEAD, me)  # alone: we lead, nobody waits on the busy peers
-    here[PEERS[1]] = rec(ready=False, eta=T0 + 0.5)  # about to be ready: a candidate though not ready yet
-    d = decide(me=me, views=_views(), here=here, seed=H1, schedule=SCHEDULE, now=T0 + 0.1)
+    here[PEERS[1]] = rec(ready=True, eta=T0 + 0.4)  # within the window: a fair draw between the two
+    d = decide(me=me, views=_views(), here=here, seed=H1, schedule=SCHEDULE, now=T0 + 0.45)
     assert d.leader == view_leader(H1, 0, [me, PEERS[1]])
-    nobody = decide(me=me, views=_views(ready_at=T0 + 30.0, anchor=T0), here={}, seed=H1, schedule=SCHEDULE,
-                    now=T0 + 0.5)
-    assert nobody.action is Action.WAIT and nobody.leader is None  # we came late into this view; it had no one
+    here[PEERS[2]] = rec(ready=True, eta=T0 + 0.9)  # past the cutoff: it joins, it never displaces the leader
+    late = decide(me=PEERS[2], views=_views(ready_at=T0 + 0.9, anchor=T0),
+                  here={p: r for p, r in {**here, me: rec(ready=True, eta=T0)}.items() if p != PEERS[2]},
+                  seed=H1, schedule=SCHEDULE, now=T0 + 1.0)
+    assert late.action is Action.JOIN and late.leader == view_leader(H1, 0, [me, PEERS[1]])
+    # view 1 began at T0 + 2 with all three ready: the hash decides among them
+    d = decide(me=me, views=_views(), here=here, seed=H1, schedule=SCHEDULE, now=T0 + 2.1)
+    assert d.view == 1 and d.leader == view_leader(H1, 1, [me, PEERS[1], PEERS[2]])
+
+
+def test_a_view_nobody_was_ready_for_goes_to_the_first_peer_ready_in_it() -> None:
+    """Every peer was busy (an exchange that failed) when view 2 began at T0 + 6: the first to be ready again
+    leads it, and the next ones to be ready past the window join it, whatever their rank."""
+    me, other = PEERS[0], PEERS[1]
+    first = decide(me=me, views=_views(ready_at=T0 + 8.0, anchor=T0), here={other: rec(ready=True, eta=T0 + 7.0)},
+                   seed=H1, schedule=SCHEDULE, now=T0 + 8.1)
+    assert first.view == 2 and (first.action, first.leader) == (Action.JOIN, other)
+    alone = decide(me=me, views=_views(ready_at=T0 + 8.0, anchor=T0), here={}, seed=H1, schedule=SCHEDULE,
+                   now=T0 + 8.1)
+    assert (alone.action, alone.leader) == (Action.LEAD, me)
