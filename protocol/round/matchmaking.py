@@ -5,7 +5,7 @@ Seen from a peer that holds θ_r and has spent its round budget:
    peers at the same (r, state hash).
 2. The view schedule (`swarmloco.protocol.round.schedule`) says which view of the round it is in and who leads it:
    every peer that reads the same records computes the same leader, from the certified seed, the view number and
-   who was ready when the view began. Nobody reports who leads.
+   who was ready by the view's cutoff. Nobody reports who leads.
 3. The view's leader admits a JoinRequest while its group is open and the request carries a valid ticket and matches
    our run, model, round and state; the member checks the leader's ticket. The leader closes the group once it has a
    majority of the active swarm and at least `quorum` peers (`swarmloco.protocol.trust.certificates.need`) and the
