@@ -71,12 +71,10 @@ def simulate(n: int, *, stall: float, visible: float, args: argparse.Namespace, 
             if d.action is Action.LEAD:
                 leading[p] = d.view
                 following.pop(p, None)
-            elif d.action is Action.JOIN and d.leader is not None:
+            else:
                 old = following.get(p)
                 since = old[2] if old is not None and old[:2] == (d.leader, d.view) else t
                 following[p] = (d.leader, d.view, since)
-            else:
-                following.pop(p, None)
         for leader, view in leading.items():
             if leader in stallers:
                 continue

@@ -135,38 +135,34 @@ class Burners:
     """`count` CPU burner processes (`python -c "while True: pass"`) beside the peers for the whole run."""
 
     count: int = 2
+    kind: str = "burner"
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def start(self, run: ChaosTarget, index: int) -> subprocess.Popen[bytes]:
+        return run.start_burner()
 
     def tick(self, run: ChaosTarget, t: float) -> None:
         while len(self.procs) < self.count:
-            self.procs.append(run.start_burner())
-            run.fault("burner-start", None)
+            self.procs.append(self.start(run, len(self.procs)))
+            run.fault(f"{self.kind}-start", None)
 
     def close(self, run: ChaosTarget) -> None:
         for proc in self.procs:
             run.stop_process(proc)
-            run.fault("burner-stop", None)
+            run.fault(f"{self.kind}-stop", None)
         self.procs.clear()
 
 
 @dataclass(kw_only=True)
-class SilentClaimants:
+class SilentClaimants(Burners):
     """`count` admitted peers that claim a far newer state than the swarm's and never answer a request for it, for
-    the whole run."""
+    the whole run (started and stopped as burners are)."""
 
     count: int = 3
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    kind: str = "claimant"
 
-    def tick(self, run: ChaosTarget, t: float) -> None:
-        while len(self.procs) < self.count:
-            self.procs.append(run.start_claimant(len(self.procs)))
-            run.fault("claimant-start", None)
-
-    def close(self, run: ChaosTarget) -> None:
-        for proc in self.procs:
-            run.stop_process(proc)
-            run.fault("claimant-stop", None)
-        self.procs.clear()
+    def start(self, run: ChaosTarget, index: int) -> subprocess.Popen[bytes]:
+        return run.start_claimant(index)
 
 
 @dataclass(kw_only=True)

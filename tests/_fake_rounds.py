@@ -15,7 +15,7 @@ from swarmloco.protocol.chain.state_sync import ServedState, StateServer
 from swarmloco.protocol.round.averager import Averager, Contribution, RoundResult
 from swarmloco.protocol.round.config import LocalModel, RoundConfig
 from swarmloco.protocol.round.groups import Group
-from swarmloco.protocol.round.schedule import view_rank
+from swarmloco.protocol.round.schedule import view_leader, view_rank
 from swarmloco.protocol.testing.fake import FakeNetwork, FakeTransport
 from swarmloco.protocol.trust.admission import Gate
 from swarmloco.protocol.trust.certificates import Head
@@ -52,6 +52,15 @@ def peers(net: FakeNetwork, n: int, *, quorum: int, hooks: dict[int, Hooks] | No
 def by_rank(averagers: list[Averager], state_hash: str = H0) -> list[Averager]:
     """The averagers in leader order for a round starting from `state_hash` (the first one leads)."""
     return sorted(averagers, key=lambda a: view_rank(state_hash, 0, a.transport.peer_id))
+
+
+def view_0_only_leader(net: FakeNetwork, ids: list[str]) -> FakeTransport:
+    """A new peer (not announced yet) that, among `ids` and itself, leads view 0 of θ_0 and not view 1."""
+    transport = net.peer()
+    while view_leader(H0, 0, [*ids, transport.peer_id]) != transport.peer_id or \
+            view_leader(H0, 1, [*ids, transport.peer_id]) == transport.peer_id:
+        transport = net.peer()
+    return transport
 
 
 def announce(transport: FakeTransport, round_number: int = 0, state_hash: str = H0, *, work: int = 0,

@@ -19,6 +19,7 @@ from _fake_rounds import (
     round_from_heads,
     run,
     serve_state,
+    view_0_only_leader,
 )
 
 from swarmloco.protocol.base.outcome import Outcome
@@ -220,10 +221,7 @@ def test_a_leader_that_holds_its_members_costs_one_view(net: FakeNetwork) -> Non
     the staller cost one view, and nobody had to judge it alone."""
     honest = peers(net, 3, quorum=3, round_timeout_s=15)
     ids = [a.transport.peer_id for a in honest]
-    staller = net.peer()
-    while view_leader(H0, 0, [*ids, staller.peer_id]) != staller.peer_id or \
-            view_leader(H0, 1, [*ids, staller.peer_id]) == staller.peer_id:
-        staller = net.peer()  # it leads view 0, and someone else leads view 1
+    staller = view_0_only_leader(net, ids)
     held: list[str] = []
 
     async def hold(caller: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

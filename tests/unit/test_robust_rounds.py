@@ -10,7 +10,17 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from _fake_rounds import H0, NUMEL, announce, averager_for, by_rank, peers, round_from_heads, whole_round
+from _fake_rounds import (
+    H0,
+    NUMEL,
+    announce,
+    averager_for,
+    by_rank,
+    peers,
+    round_from_heads,
+    view_0_only_leader,
+    whole_round,
+)
 
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
 from swarmloco.protocol.base.outcome import Outcome
@@ -135,10 +145,7 @@ def test_a_leader_that_holds_its_group_costs_its_view_and_no_more(net: FakeNetwo
     contributes like anyone). Without the view schedule, every retry went back to the same leader."""
     honest = peers(net, 3, quorum=3, round_timeout_s=15)
     ids = [a.transport.peer_id for a in honest]
-    transport = net.peer()
-    while view_leader(H0, 0, [*ids, transport.peer_id]) != transport.peer_id or \
-            view_leader(H0, 1, [*ids, transport.peer_id]) == transport.peer_id:
-        transport = net.peer()  # it leads view 0, and someone else leads view 1
+    transport = view_0_only_leader(net, ids)
     holder = averager_for(transport, quorum=3, hooks=FaultInjector.parse("lead=hold@*"), round_timeout_s=15)
     announce(transport)
     averagers = [*honest, holder]
