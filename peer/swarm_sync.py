@@ -240,7 +240,8 @@ class SwarmSync:
         if loop.done():
             return
         ready_at = time.monotonic()
-        found = self.averager.find_group(r.round, self.state_hash)  # marks our record ready, with when
+        self.node.update_record(ready=True, eta=time.time())
+        found = self.averager.find_group(r.round, self.state_hash)
         while not found.done():  # keep the accelerator busy while the group forms
             if loop.steps_exhausted():
                 found.cancel()
