@@ -43,6 +43,10 @@ class Hooks:
         """What this peer sends `peer` as its reduced shard (returning another tensor: a signed variant)."""
         return reduced
 
+    def refuse_download(self) -> bool:
+        """As a donor: answer this state download "busy", as a donor under load would."""
+        return False
+
     def served_state(self, blob: bytes) -> bytes:
         """The state blob a donor is about to send to a downloader."""
         return blob

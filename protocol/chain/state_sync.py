@@ -141,7 +141,8 @@ class StateServer:
             await write_frame(writer, pb.StateHeader(ok=False, message=f"too slow on its last download from us: "
                                                      f"ask again in {wait:.0f}s"), timeout=control)
             return
-        if sum(self._open.values()) >= self.limits.sessions or held >= self.limits.per_requester:
+        if sum(self._open.values()) >= self.limits.sessions or held >= self.limits.per_requester or \
+                self.hooks.refuse_download():
             stats.busy += 1
             await write_frame(writer, pb.StateHeader(ok=False, busy=True, message="busy: too many downloads"),
                               timeout=control)

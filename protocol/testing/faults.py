@@ -14,6 +14,7 @@ the first time the phase is reached) runs with a `FaultInjector` as its hooks. P
     exchange=stall30           the same for 30 s: past the grace of any round with the default control deadline,
                                on a machine however busy (a slow-drip member)
     serve_state=corrupt        serve random bytes to state downloaders (a lying donor)
+    serve_session=busy         answer the first state download "busy" (a loaded donor; the joiner asks again later)
     lead=hold                  as a view's leader, accept every member and never close the group
 A round of `*` arms the fault for every round.
 Every firing is appended to `fired` and reported through `on_fire` before the action happens.
@@ -33,9 +34,9 @@ from swarmloco.protocol.base.hooks import Hooks
 logger = logging.getLogger(__name__)
 ENV = "SWARMLOCO_FAULTS"
 PHASES = {"inner_step", "member_after_send", "leader_before_commit", "contribute", "reduce", "exchange",
-          "serve_state", "lead"}
+          "serve_state", "serve_session", "lead"}
 ACTIONS = {"kill", "nan", "wrong_numel", "inflate", "zero_tokens", "corrupt", "negate1000", "random1000", "flip",
-           "noise1000", "equivocate", "stall", "stall30", "hold"}
+           "noise1000", "equivocate", "stall", "stall30", "hold", "busy"}
 EVERY = -1  # the round of a fault armed for every round
 
 
@@ -155,6 +156,9 @@ class FaultInjector(Hooks):
             return reduced
         self._recipients += 1
         return reduced * 0.5 if self._recipients % 2 == 0 else reduced
+
+    def refuse_download(self) -> bool:
+        return self.match("serve_session", 0) == "busy"
 
     def served_state(self, blob: bytes) -> bytes:
         # Armed once, then every download is served corrupt: a donor that lies consistently.
