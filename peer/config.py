@@ -138,6 +138,21 @@ class BudgetConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AdoptConfig:
+    """What a state offered by others (a join, a re-sync, a fork switch) must pass before this peer adopts it, however
+    valid its certificate: its loss on held-out batches of this peer's own choosing, and, when it is one round past
+    ours, its distance from ours (peer/adoption.py)."""
+
+    tolerance: float = 0.1  # refuse a state whose loss exceeds our own state's by more than this fraction
+    step_factor: float = 4.0  # one round ahead: refuse a state farther than this many of our recent outer steps
+
+    def __post_init__(self) -> None:
+        _check(0.0 <= self.tolerance <= 10.0, "adopt_tolerance", self.tolerance, "0 .. 10 (a fraction of our loss)")
+        _check(self.step_factor == 0.0 or 1.0 <= self.step_factor <= 1000.0, "adopt_step_factor", self.step_factor,
+               "0 (no distance check) or 1 .. 1000")
+
+
+@dataclass(frozen=True, kw_only=True)
 class BootstrapConfig:
     """Where a peer finds its first contact when no --initial-peer is given: the ready file a coordinator writes."""
 
@@ -166,6 +181,7 @@ class PeerConfig:
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    adopt: AdoptConfig = field(default_factory=AdoptConfig)
 
     @property
     def identity_path(self) -> str:

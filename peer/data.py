@@ -110,7 +110,22 @@ def eval_batches(
     usable = data.numel() - seq_len - 1
     if usable <= 0:
         raise ValueError("eval shard too small")
-    starts = torch.linspace(0, usable - 1, total).long().view(n_batches, batch_size)
+    return _windows(data, torch.linspace(0, usable - 1, total).long().view(n_batches, batch_size), seq_len)
+
+
+def probe_batches(
+    data: torch.Tensor, *, n_batches: int, batch_size: int, seq_len: int, seed: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Windows of the eval shard at offsets drawn by `seed`: held-out batches only the holder of the seed knows."""
+    usable = data.numel() - seq_len - 1
+    if usable <= 0:
+        raise ValueError("eval shard too small")
+    g = torch.Generator().manual_seed(seed)
+    return _windows(data, torch.randint(0, usable, (n_batches, batch_size), generator=g), seq_len)
+
+
+def _windows(data: torch.Tensor, starts: torch.Tensor, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (inputs, targets) batch per row of window offsets."""
     out = []
     for row in starts:
         windows = data[row[:, None] + torch.arange(seq_len + 1)[None, :]].long()

@@ -164,4 +164,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("--close-early", "budget", "close_early",
            "end the round's local training early to join a group already forming for our round (a slow peer then "
            "contributes fewer tokens instead of missing the round; default on)"),
+    # [adopt]: what a state offered by other peers must pass before this peer adopts it
+    Option("--adopt-tolerance", "adopt", "tolerance",
+           "refuse a certified state whose loss on our own held-out batches exceeds our state's by more than this "
+           "fraction (its claimants are then distrusted)"),
+    Option("--adopt-step-factor", "adopt", "step_factor",
+           "refuse a state one round past ours that lies farther from ours than this many of our recent outer steps "
+           "(0: no distance check)"),
 )

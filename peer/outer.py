@@ -26,13 +26,15 @@ def outer_step(
     delta: Mapping[str, torch.Tensor],
     momentum: Mapping[str, torch.Tensor],
     config: OuterConfig,
-) -> None:
-    """Apply one outer step in place, matching torch.optim.SGD(nesterov=True, dampening=0) with Δ as the gradient.
+) -> float:
+    """Apply one outer step in place, matching torch.optim.SGD(nesterov=True, dampening=0) with Δ as the gradient;
+    returns the step's length ‖θ_new − θ_old‖.
 
     m ← μ·m + Δ;  update = Δ + μ·m (Nesterov) or m;  θ ← θ − lr·update.
     """
     if params.keys() != delta.keys() or params.keys() != momentum.keys():
         raise ValueError("outer_step: params, delta and momentum must have the same tensor names")
+    squares = 0.0
     for name, theta in params.items():
         d, m = delta[name], momentum[name]
         if d.shape != theta.shape or m.shape != theta.shape:
@@ -40,3 +42,5 @@ def outer_step(
         m.mul_(config.momentum).add_(d)
         update = d.add(m, alpha=config.momentum) if config.nesterov else m
         theta.sub_(update, alpha=config.lr)
+        squares += float(torch.linalg.vector_norm(update)) ** 2
+    return config.lr * squares**0.5

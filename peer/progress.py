@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 import time
 from typing import Any, TextIO
@@ -85,3 +86,8 @@ def _short(value: Any) -> Any:
 
 def round_float(x: float, digits: int = 5) -> float:
     return float(f"{x:.{digits}g}")
+
+
+def finite_or_none(x: float) -> float | None:
+    """`round_float(x)`, or None for NaN and ±inf (which JSON cannot carry)."""
+    return round_float(x) if math.isfinite(x) else None

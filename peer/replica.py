@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -81,6 +82,8 @@ class Replica:
         self.round_tokens = 0
         self.tokens = 0  # tokens this replica trained on, all rounds
         self._batches: Iterator[Batch] | None = None
+        # ‖θ_{r+1} − θ_r‖ of the last outer steps this replica applied: how far one honest round moves the state
+        self.outer_steps: deque[float] = deque(maxlen=16)
 
     # --- inner training -------------------------------------------------------------------------------------------
     def schedule_step(self) -> int:
@@ -121,7 +124,7 @@ class Replica:
 
     def apply_outer(self, delta: dict[str, torch.Tensor], *, new_round: int | None = None) -> None:
         """θ_{r+1} = Nesterov(θ_r, Δ); the local model restarts from it."""
-        outer_step(self.global_params, delta, self.momentum, self.outer_cfg)
+        self.outer_steps.append(outer_step(self.global_params, delta, self.momentum, self.outer_cfg))
         self.round = self.round + 1 if new_round is None else new_round
         self.reset_local()
 

@@ -3,6 +3,7 @@ state as one blob for donors (layout in `swarmloco.protocol.base.hashing.pack_st
 onto a newer global state, and the certified head a (resumed) replica's state stands at."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 from collections.abc import Callable
@@ -13,10 +14,15 @@ import torch
 from swarmloco.peer.replica import Replica
 from swarmloco.protocol.base.hashing import StateLayout, pack_state, state_hash, state_layout, unpack_state
 from swarmloco.protocol.base.records import fingerprint
+from swarmloco.protocol.chain.config import FetchConfig
+from swarmloco.protocol.chain.forks import Behind
+from swarmloco.protocol.chain.state_sync import StateSyncError, download_state
+from swarmloco.protocol.network.transport import Transport
 from swarmloco.protocol.round.config import LocalModel
 from swarmloco.protocol.trust.certificates import Certificate, Head
 
 logger = logging.getLogger(__name__)
+DOWNLOAD_TIMEOUT_S = 600.0
 
 
 def local_model(replica: Replica, seed: int) -> LocalModel:
@@ -122,3 +128,20 @@ def resumed_head(replica: Replica, resumed: dict[str, Any], *, genesis: str,
     logger.warning("the checkpoint's round %d has no valid certificate: training on, but no peer will adopt this "
                    "state, and any certified state of the swarm replaces it", replica.round)
     return Head(replica.round, state_hash, 0)  # no certified work: it never outranks a certified chain
+
+
+def fetch_state(node: Transport, target: Behind, replica: Replica, *, fingerprint: str, control_timeout_s: float,
+                ticket: bytes) -> tuple[memoryview, list[str]] | None:
+    """Download the target's state from its donors, every chunk checked against the leaves its certified hash
+    commits to; returns (blob, donors that failed or lied), or None (logged) when no donor delivered in time."""
+    try:
+        return node.call(
+            download_state(node, donors=target.donors, round_number=target.round, state_hash=target.state_hash,
+                           layout=layout_of(replica), fingerprint=fingerprint,
+                           config=FetchConfig(control_timeout_s=control_timeout_s), ticket=ticket,
+                           timeout=DOWNLOAD_TIMEOUT_S - 5),
+            timeout=DOWNLOAD_TIMEOUT_S,
+        )
+    except (StateSyncError, concurrent.futures.TimeoutError) as exc:
+        logger.warning("re-sync to round %d failed: %s", target.round, exc)
+        return None

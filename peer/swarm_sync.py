@@ -19,16 +19,16 @@ from typing import Any
 
 import torch
 
+from swarmloco.peer.adoption import AdoptionCheck, Verdict
 from swarmloco.peer.config import PeerConfig
-from swarmloco.peer.progress import round_float
+from swarmloco.peer.progress import finite_or_none, round_float
 from swarmloco.peer.replica import Replica
 from swarmloco.peer.round_reports import RoundReports
 from swarmloco.peer.signals import StopFlag
 from swarmloco.peer.swarm_state import (
-    all_finite,
+    fetch_state,
     flatten,
     genesis_hash,
-    layout_of,
     local_model,
     parse_blob,
     rebase,
@@ -43,9 +43,8 @@ from swarmloco.protocol.base.hooks import Hooks
 from swarmloco.protocol.base.outcome import Outcome
 from swarmloco.protocol.base.records import PeerRecord
 from swarmloco.protocol.base.text import short_hash
-from swarmloco.protocol.chain.config import FetchConfig
 from swarmloco.protocol.chain.forks import Behind
-from swarmloco.protocol.chain.state_sync import ServedState, StateServer, StateSyncError, download_state
+from swarmloco.protocol.chain.state_sync import ServedState, StateServer
 from swarmloco.protocol.network.node import SwarmNode
 from swarmloco.protocol.round.averager import Averager, Contribution, RoundResult
 from swarmloco.protocol.round.groups import Group, RoundAborted
@@ -57,7 +56,6 @@ logger = logging.getLogger(__name__)
 PEEK_S = 0.5  # while training, how often a peer looks whether a group for its round is forming
 ETA_EVERY_S = 1.0  # how often the training thread refreshes its ready-time estimate in its record
 RECORDS_TIMEOUT_S = 30.0
-DOWNLOAD_TIMEOUT_S = 600.0
 
 
 class IncompatibleSwarm(RuntimeError):
@@ -79,6 +77,7 @@ class SwarmSync:
         self.staleness = self.resyncs = self.bytes_sent = self.bytes_received = 0
         self.state_hash = ""
         self.head: Head | None = None
+        self.refused: tuple[int, str] | None = None  # the last state we downloaded and refused to adopt
         self._peek: concurrent.futures.Future[tuple[dict[str, PeerRecord], Behind | None]] | None = None
         self._peeked_at = 0.0
         self._last_eta = 0.0
@@ -89,6 +88,7 @@ class SwarmSync:
         r = loop.replica
         self.loop, self.replica = loop, r
         self.model = local_model(r, self.cfg.runtime.seed)
+        self.adoption = AdoptionCheck(r, self.cfg.adopt)
         self.genesis = genesis_hash(r)
         loop.on_step = lambda loss: self.reports.step(r, loss, loop.progress.tokens_per_second())
         self.admission.start()
@@ -160,28 +160,19 @@ class SwarmSync:
         enough."""
         r = self.replica
         started = time.perf_counter()
-        try:
-            blob, bad = self.node.call(
-                download_state(
-                    self.node,
-                    donors=target.donors,
-                    round_number=target.round,
-                    state_hash=target.state_hash,
-                    layout=layout_of(r),  # every chunk is checked against the leaves this certified hash commits to
-                    fingerprint=self.model.fingerprint,
-                    config=FetchConfig(control_timeout_s=self.cfg.round.control_timeout_s),
-                    ticket=self.admission.credentials.ticket,
-                    timeout=DOWNLOAD_TIMEOUT_S - 5,
-                ),
-                timeout=DOWNLOAD_TIMEOUT_S,
-            )
-        except (StateSyncError, concurrent.futures.TimeoutError) as exc:
-            logger.warning("re-sync to round %d failed: %s", target.round, exc)
+        fetched = fetch_state(self.node, target, r, fingerprint=self.model.fingerprint,
+                              control_timeout_s=self.cfg.round.control_timeout_s,
+                              ticket=self.admission.credentials.ticket)
+        if fetched is None:
             return False
+        blob, bad = fetched
         params, momentum = parse_blob(blob, r)
-        if not all_finite(params, momentum):
-            # The hash matched a certified statement, so a quorum signed a broken state: refuse it all the same.
-            logger.error("round %d's certified state holds non-finite values; not adopting it", target.round)
+        # The hash matched a certified statement; whether the state is worth training from is ours to judge.
+        cert = target.certificate
+        next_round = cert is not None and target.round == r.round + 1 and cert.statement.prev_hash == self.state_hash
+        verdict = self.adoption.verdict(params, momentum, next_round=next_round)
+        if verdict.problem:
+            self._refuse(target, verdict)
             return False
         staleness = self.staleness + max(1, target.round - r.round)
         # Our contribution is already in a state certified right after ours (we voted, but missed the certificate).
@@ -198,9 +189,28 @@ class SwarmSync:
             kept_progress=keep,
             failures=bad,
             seconds=round_float(time.perf_counter() - started),
+            loss=finite_or_none(verdict.new_loss),
+            own_loss=finite_or_none(verdict.own_loss),
         )
         self.publish_state(Head.of(target.certificate))  # rebase loaded exactly the bytes verified against it
         return True
+
+    def _refuse(self, target: Behind, verdict: Verdict) -> None:
+        """Never adopt this state, and distrust whoever claimed or signed it."""
+        self.refused = (target.round, target.state_hash)
+        cert = target.certificate
+        signers = set(cert.signatures) & set(cert.statement.members) if cert is not None else set()
+        peers = sorted(set(target.donors) | signers)
+        logger.error("not adopting round %d %s…: %s; distrusting its %d claimant(s) and signer(s)", target.round,
+                     short_hash(target.state_hash), verdict.problem, len(peers))
+
+        async def refuse() -> None:  # the chain's tables live on the loop
+            self.averager.chain.refuse(target.round, target.state_hash, peers)
+
+        self.node.call(refuse(), timeout=RECORDS_TIMEOUT_S)
+        self.loop.progress.event("refused", round=target.round, state_hash=short_hash(target.state_hash),
+                                 why=verdict.problem, loss=finite_or_none(verdict.new_loss),
+                                 own_loss=finite_or_none(verdict.own_loss), distrusted=peers)
 
     # --- one round ------------------------------------------------------------------------------------------------
     def _stop_early(self, round_started: float) -> bool:
@@ -268,8 +278,11 @@ class SwarmSync:
             self.node.update_record(ready=False)
             self.log_round({**entry, "outcome": Outcome.BEHIND, "target_round": outcome.round})
             max_rounds = self.cfg.run.max_rounds
-            if not self.sync_to(outcome) and max_rounds and outcome.round >= max_rounds:
-                # The swarm is done and its peers are leaving: nothing left to join, so do not wait forever.
+            adopted = self.sync_to(outcome)
+            refused = self.refused == (outcome.round, outcome.state_hash)  # judged, not merely out of reach
+            if not adopted and max_rounds and outcome.round >= max_rounds and not refused:
+                # The swarm is done and its peers are leaving: nothing left to join, so do not wait forever. (Not
+                # for a state we refused: a claim of a far round must not be a way to stop honest peers.)
                 loop.stop.request(f"the swarm finished round {outcome.round} and its final state could not be fetched")
             return
         self.average(outcome, entry)

@@ -43,7 +43,10 @@ class Task:
 
     `train_batches(start_step)` must yield the same batches for the same start step (exact resume relies on it);
     `loss_fn(model, batch)` returns a scalar; `evaluate(model)` returns the held-out loss; `config` describes the
-    model and feeds its fingerprint, which peers compare before averaging.
+    model and feeds its fingerprint, which peers compare before averaging. `probe(seed)`, if given, returns a few
+    held-out batches drawn by `seed`: a peer checks every state it is offered on batches of its own choosing
+    (peer/adoption.py), so nobody can tune a state to the batches it will be judged on. Without it, that check uses
+    `evaluate`.
     """
 
     name: str
@@ -52,6 +55,7 @@ class Task:
     loss_fn: Callable[[nn.Module, Batch], torch.Tensor]
     evaluate: Callable[[nn.Module], float]
     config: Mapping[str, Any]
+    probe: Callable[[int], list[Batch]] | None = None
 
     @staticmethod
     def tokens_in(batch: Batch) -> int:
@@ -126,6 +130,7 @@ def default_task(ctx: TaskContext) -> Task:
         train_batches=train_batches,
         loss_fn=lm_loss,
         evaluate=lambda model: mean_loss(model, fixed_eval, lm_loss),
+        probe=lambda seed: corpus.probe_batches(eval_data, n_batches=4, batch_size=8, seq_len=cfg.context, seed=seed),
         config={"task": "stdlib-gpt", **cfg.to_dict(), "batch_size": batch_size},
     )
 

@@ -2,13 +2,15 @@
 and tickets signed by its authority key (an admitted peer gone bad) or forged to order."""
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from swarm_harness import Swarm
 
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
+from swarmloco.protocol.base.records import PeerRecord
 from swarmloco.protocol.base.wire import close_writer, read_frame, write_frame
-from swarmloco.protocol.chain.state_sync import state_handler
+from swarmloco.protocol.chain.state_sync import ServedState, StateServer, state_handler
 from swarmloco.protocol.network.config import NetworkConfig
 from swarmloco.protocol.network.node import SwarmNode
 from swarmloco.protocol.trust.admission import Credentials, Gate, Ticket
@@ -33,6 +35,34 @@ def node(swarm: Swarm, name: str, *, ticket: bytes) -> SwarmNode:
     out = SwarmNode(net, credentials=Credentials(key(swarm, name), ticket), gate=Gate(swarm.run_id, swarm.authority))
     out.start()
     return out
+
+
+def fingerprint(swarm: Swarm) -> str:
+    """The honest peers' model fingerprint, read from a peer's own record."""
+    reader = node(swarm, "fingerprint-reader", ticket=ticket(swarm, "fingerprint-reader"))
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            records = reader.call(reader.fetch_records(timeout=5), timeout=10)
+            if records:
+                return next(iter(records.values())).fingerprint
+            time.sleep(0.5)
+        raise AssertionError("no honest record seen")
+    finally:
+        reader.shutdown()
+
+
+def announce(node: SwarmNode, fingerprint: str, round_number: int, state_hash: str, *, work: int,
+              **extra: Any) -> None:
+    record = PeerRecord.announce(fingerprint=fingerprint, config_json="{}", round=round_number, state_hash=state_hash,
+                                 work=work)
+    node.update_record(**{**record.to_value(), **extra})
+
+
+def serve(node: SwarmNode, fingerprint: str, state: ServedState) -> None:
+    server = StateServer(node, fingerprint, gate=node.gate, credentials=node.credentials)
+    node.call(server.register(), timeout=30)
+    server.publish(state)
 
 
 async def ask_state(node: SwarmNode, peer: str, fingerprint: str, **request: Any) -> pb.StateHeader:

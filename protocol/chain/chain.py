@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from swarmloco.protocol.base.records import PeerRecord
 from swarmloco.protocol.base.text import short_hash, short_id
@@ -47,6 +47,8 @@ class Chain:
         self._checks: dict[tuple[int, str], asyncio.Task[None]] = {}  # claims whose certificate is being fetched
         # claims whose claimant served the certificate of a newer state instead: that state, and who served it
         self._moved: OrderedDict[tuple[int, str], tuple[Certificate, str]] = OrderedDict()
+        # states this peer downloaded and refused on its own checks: never fetched again
+        self._refused: OrderedDict[tuple[int, str], None] = OrderedDict()
 
     def close(self) -> None:
         """Cancel the background certificate checks still running (on the loop)."""
@@ -58,6 +60,17 @@ class Chain:
         self.head = head
         if head.certificate is not None:
             self._remember((head.round, head.state_hash), head.certificate)
+
+    def refuse(self, round_number: int, state_hash: str, peers: Iterable[str]) -> None:
+        """A certified state failed this peer's own checks (peer/adoption.py): it is never a target again, and the
+        peers that claimed or signed it are treated like liars for `DISTRUST_S`: not asked, not counted."""
+        self._refused[(round_number, state_hash)] = None
+        while len(self._refused) > MAX_VERDICTS:
+            self._refused.popitem(last=False)
+        until = time.monotonic() + DISTRUST_S
+        for peer in peers:
+            if peer != self.transport.peer_id:
+                self._distrust[peer] = self._liars[peer] = until
 
     def verify(self, certificate: Certificate) -> str:
         """Why `certificate` proves nothing ("" when it is valid)."""
@@ -93,6 +106,8 @@ class Chain:
             await asyncio.wait(checks, timeout=wait)
         for claim in claims:
             verdict, claim = self._verified(claim)
+            if (claim.round, claim.state_hash) in self._refused:
+                continue
             behind = self._accept(claim, verdict, records)
             if behind is not None:
                 return behind
@@ -133,8 +148,9 @@ class Chain:
     # --- internals ------------------------------------------------------------------------------------------------
     def _claims(self, records: Mapping[str, PeerRecord]) -> list[StateClaim]:
         h = self.head
-        return better_claims(records, round_number=h.round, state_hash=h.state_hash, work=h.work,
-                             genesis_hash=self.genesis_hash)
+        claims = better_claims(records, round_number=h.round, state_hash=h.state_hash, work=h.work,
+                               genesis_hash=self.genesis_hash)
+        return [c for c in claims if (c.round, c.state_hash) not in self._refused]
 
     def _accept(self, claim: StateClaim, verdict: Certificate | None,
                 records: Mapping[str, PeerRecord]) -> Behind | None:

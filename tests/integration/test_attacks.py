@@ -23,9 +23,12 @@ from typing import Any
 import hivemind
 import pytest
 import torch
+from _hostile_nodes import announce as _announce
 from _hostile_nodes import ask_state
+from _hostile_nodes import fingerprint as _fingerprint
 from _hostile_nodes import key as _key
 from _hostile_nodes import node as _node
+from _hostile_nodes import serve as _serve
 from _hostile_nodes import ticket as _ticket
 from hivemind.utils import get_dht_time
 from swarm_harness import Swarm, assert_no_split, genesis_hash
@@ -33,7 +36,7 @@ from swarm_harness import Swarm, assert_no_split, genesis_hash
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
 from swarmloco.protocol.base.records import MAX_VIEW, PROTOCOL_VERSION, PeerRecord, peers_key, revocations_key
 from swarmloco.protocol.base.wire import close_writer, read_frame, write_frame
-from swarmloco.protocol.chain.state_sync import ServedState, StateServer
+from swarmloco.protocol.chain.state_sync import ServedState
 from swarmloco.protocol.network.node import SwarmNode
 from swarmloco.protocol.trust.admission import Revocations
 from swarmloco.protocol.trust.certificates import Certificate, Statement
@@ -43,34 +46,6 @@ from swarmloco.protocol.trust.signed_records import seal
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 HONEST = ["a", "b", "c"]
 ROUND_CAP = 40
-
-
-def _fingerprint(swarm: Swarm) -> str:
-    """The honest peers' model fingerprint, read from a peer's own record."""
-    reader = _node(swarm, "fingerprint-reader", ticket=_ticket(swarm, "fingerprint-reader"))
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            records = reader.call(reader.fetch_records(timeout=5), timeout=10)
-            if records:
-                return next(iter(records.values())).fingerprint
-            time.sleep(0.5)
-        raise AssertionError("no honest record seen")
-    finally:
-        reader.shutdown()
-
-
-def _announce(node: SwarmNode, fingerprint: str, round_number: int, state_hash: str, *, work: int,
-              **extra: Any) -> None:
-    record = PeerRecord.announce(fingerprint=fingerprint, config_json="{}", round=round_number, state_hash=state_hash,
-                                 work=work)
-    node.update_record(**{**record.to_value(), **extra})
-
-
-def _serve(node: SwarmNode, fingerprint: str, state: ServedState) -> None:
-    server = StateServer(node, fingerprint, gate=node.gate, credentials=node.credentials)
-    node.call(server.register(), timeout=30)
-    server.publish(state)
 
 
 async def _ask_join(node: SwarmNode, peer: str, fingerprint: str) -> pb.JoinReply:

@@ -125,6 +125,27 @@ def test_a_peer_behind_adopts_the_certified_state_of_the_swarm(net: FakeNetwork)
     assert sorted(found.donors) == sorted(a.transport.peer_id for a in swarm)
 
 
+def test_a_refused_state_is_never_a_target_and_its_claimants_are_distrusted(net: FakeNetwork) -> None:
+    """A certified state that failed the peer's own checks after download (peer/adoption.py) is not offered again,
+    and the peers that claimed it no longer count toward the swarm a group needs a majority of."""
+    swarm = _admitted(net, 3, quorum=3)
+    servers = [serve_state(a) for a in swarm]
+    results, _ = _round_of(swarm)
+    for a, s in zip(swarm, servers, strict=True):
+        publish(a, s, ready=False)
+    (joiner,) = _admitted(net, 1, quorum=2)
+    records = _records_seen_by(joiner)
+    found = joiner.transport.call(joiner.chain.target(records), timeout=10)
+    assert isinstance(found, Behind) and found.state_hash == results[0].state_hash
+
+    async def refuse() -> None:
+        joiner.chain.refuse(found.round, found.state_hash, found.donors)
+
+    joiner.transport.call(refuse(), timeout=5)
+    assert joiner.transport.call(joiner.chain.target(records), timeout=10) is None
+    assert not set(found.donors) & set(joiner.chain.credible(records))
+
+
 def _forge(attacker: FakeTransport, *, signers: list[Identity], swarm: int, run_id: str) -> Certificate:
     members = tuple(sorted(s.peer_id for s in signers))
     statement = Statement(run_id=run_id, round=1001, prev_hash="e" * 64, new_hash="f" * 64, members=members,
