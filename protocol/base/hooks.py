@@ -39,8 +39,8 @@ class Hooks:
         """The shard this peer reduced, before it is signed and sent to every member."""
         return reduced
 
-    def shard_result(self, round_number: int, shard: int, peer: str, reduced: torch.Tensor) -> torch.Tensor:
-        """What this peer sends `peer` as its reduced shard (returning another tensor: a signed variant)."""
+    def shard_result(self, round_number: int, shard: int, peer: str, reduced: torch.Tensor) -> torch.Tensor | None:
+        """What this peer sends `peer` as its reduced shard (another tensor: a signed variant; None: nothing)."""
         return reduced
 
     def refuse_download(self) -> bool:

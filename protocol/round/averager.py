@@ -201,8 +201,10 @@ class Averager:
         return replace(result, seconds=time.monotonic() - started)
 
     def _judge(self, group: Group, result: RoundResult) -> None:
-        """Ban whoever was proven to cheat; a leader leaves out of its next plans a member that cost it the round
-        (so a peer that stalls the exchange costs one round, not every round)."""
+        """Ban whoever was proven to cheat, and leave out of our next plans a peer that cost us this round: one
+        that stalled, vanished or withheld its reduced shard from *us* (first-hand, never on anyone's word). Every
+        member that lost the round to it does the same, so it costs the swarm one attempt, not one per leader:
+        leaders change every view."""
         steps, matchmaker = self.steps, self.matchmaker
         if steps is None or matchmaker is None:
             return
@@ -213,5 +215,9 @@ class Averager:
             if peer != self.transport.peer_id:
                 steps.ban(peer, why)
                 self.transport.call(ban(peer, why), timeout=self.cfg.control_timeout_s)
-        if group.is_leader and result.blame and result.blame != group.me and result.blame not in result.cheaters:
-            steps.suspend(result.blame, group.round, result.reason)
+        # A member does not hold the round's failure against its leader: a leader gives up when anyone fails it,
+        # so from a member's side an honest leader's abort looks like the leader's fault. (A leader that fails
+        # its view is replaced by the schedule anyway.)
+        blame = result.blame if group.is_leader or result.blame != group.leader else ""
+        if blame and blame != group.me and blame not in result.cheaters:
+            steps.suspend(blame, group.round, result.reason)

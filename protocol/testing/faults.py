@@ -9,6 +9,7 @@ the first time the phase is reached) runs with a `FaultInjector` as its hooks. P
     contribute=negate1000|random1000   poison: Δ × −1000, or a random Δ 1000× as long, claiming 1000× the tokens
     reduce=flip|noise1000      as a reducer, sign and send −(the true shard), or random noise 1000× as long
     reduce=equivocate          as a reducer, send every other member a different (signed) shard than the rest
+    reduce=withhold            as a reducer, send nobody its reduced shard
     exchange=stall             sit 8 s on the first part of a round before sending anything (longer than the
                                grace a test's round gives a straggler; shorter than its transfer deadline)
     exchange=stall30           the same for 30 s: past the grace of any round with the default control deadline,
@@ -36,7 +37,7 @@ ENV = "SWARMLOCO_FAULTS"
 PHASES = {"inner_step", "member_after_send", "leader_before_commit", "contribute", "reduce", "exchange",
           "serve_state", "serve_session", "lead"}
 ACTIONS = {"kill", "nan", "wrong_numel", "inflate", "zero_tokens", "corrupt", "negate1000", "random1000", "flip",
-           "noise1000", "equivocate", "stall", "stall30", "hold", "busy"}
+           "noise1000", "equivocate", "withhold", "stall", "stall30", "hold", "busy"}
 EVERY = -1  # the round of a fault armed for every round
 
 
@@ -142,6 +143,7 @@ class FaultInjector(Hooks):
     def reduced_shard(self, round_number: int, shard: int, reduced: torch.Tensor) -> torch.Tensor:
         action = self.match("reduce", round_number)
         self._equivocating, self._recipients = action == "equivocate", 0
+        self._withholding = action == "withhold"
         if action == "flip":
             return -reduced
         if action == "noise1000":
@@ -149,9 +151,11 @@ class FaultInjector(Hooks):
             return noise * (1000.0 * max(float(reduced.norm()), 1e-6) / max(float(noise.norm()), 1e-30))
         return reduced
 
-    def shard_result(self, round_number: int, shard: int, peer: str, reduced: torch.Tensor) -> torch.Tensor:
+    def shard_result(self, round_number: int, shard: int, peer: str, reduced: torch.Tensor) -> torch.Tensor | None:
         # every second recipient gets a different shard, each properly signed (so with two or more recipients,
         # some hold the true one and some the variant)
+        if getattr(self, "_withholding", False):
+            return None
         if not getattr(self, "_equivocating", False):
             return reduced
         self._recipients += 1

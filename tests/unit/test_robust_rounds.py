@@ -84,6 +84,18 @@ def test_a_cheating_reducer_is_convicted_and_banned_and_the_swarm_goes_on(net: F
     assert all(r.outcome == Outcome.COMMITTED and bad not in r.members for r in again), [r.reason for r in again]
 
 
+def test_a_reducer_that_withholds_its_shard_is_left_out_by_every_member_it_cost(net: FakeNetwork) -> None:
+    """Withholding proves nothing (a dead link looks the same), so nobody is banned; but every member that lost the
+    round to it leaves it out of the plans it leads next, not only that round's leader: leaders change every view,
+    and a withholder would otherwise cost one round per leader."""
+    averagers, out = _with_attacker(net, "reduce=withhold@*")
+    bad = averagers[3].transport.peer_id
+    honest = [r for r, _ in out[:3]]
+    assert all(r.outcome == Outcome.DISCARDED and r.blame == bad for r in honest), [r.reason for r in honest]
+    assert all(not a.holds_new_state for _, a in out) and all(not r.cheaters for r in honest)
+    assert all(bad in a.steps.suspended and bad not in a.steps.banned for a in averagers[:3])
+
+
 def test_bits_flipped_on_the_way_are_caught_and_blame_nobody(net: FakeNetwork, monkeypatch) -> None:
     """A relay that flips one bit of every reduced shard: the signature no longer covers the bytes, the round is
     discarded with nothing applied, and no reducer is convicted (anyone on the path could have done it)."""
