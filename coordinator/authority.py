@@ -5,8 +5,10 @@ Order of checks for one ticket request (each either passes or answers and change
 size, JSON and schema (413/400) -> signature by the key in ``peer_id`` (401) -> timestamp window (422) ->
 run id (403) -> revoked (403) -> admission policy (403) -> a known ``(peer_id, nonce)``: the same request gets its
 ticket again, a different one is a replay (409) -> a peer that got a ticket moments ago gets that one back (no new
-row) -> in ``open`` mode a peer holding no valid ticket spends a token of its address and of the global bucket
-(429): new identities cost nothing, so this is the only bound on how fast anyone mints them -> a new ticket (200).
+row) -> in ``open`` mode a peer holding no valid ticket must attach a proof of work of ``work_bits`` bits
+(protocol/trust/puzzle.py; 428 without a valid one, before any rate-limit token is spent) and then spends a token
+of its address and of the global bucket (429): the work makes every new identity cost CPU time, the buckets bound
+how fast even a well-equipped client mints them -> a new ticket (200). Renewals by a ticket holder need neither.
 """
 from __future__ import annotations
 
@@ -24,10 +26,12 @@ from swarmloco.coordinator.store_authority import IssuedTicket
 from swarmloco.protocol.base.text import bounded
 from swarmloco.protocol.trust.admission import AdmissionPolicy, Gate, Revocations, Ticket
 from swarmloco.protocol.trust.identity import Identity
+from swarmloco.protocol.trust.puzzle import MAX_BITS
+from swarmloco.protocol.trust.puzzle import check as check_work
 from swarmloco.protocol.trust.ticket_request import MAX_AGE_S, MAX_AHEAD_S, TicketRequestError, parse_ticket_request
 
-__all__ = ["HOSTILE_INPUT_ERRORS", "LONE_SURROGATE", "Answer", "Authority", "AuthorityConfig", "bad_input",
-           "valid_unicode"]
+__all__ = ["DEFAULT_WORK_BITS", "HOSTILE_INPUT_ERRORS", "LONE_SURROGATE", "Answer", "Authority", "AuthorityConfig",
+           "bad_input", "valid_unicode"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,15 +74,24 @@ def bad_input(what: str, client: str, error: Exception) -> Answer:
     return _refuse(400, f"malformed {what} ({type(error).__name__}: {bounded(str(error), 200)})")
 
 
+# About one CPU-minute of the reference solver (protocol/trust/puzzle.py, one process): measured at 2.45-2.7
+# million hashes per CPU-second on a 2-core AMD EPYC cloud VM, so 2**27 hashes take 50-55 s on average. Optimised C
+# hashes several times faster per core, a GPU thousands of times faster: the work raises the price of an identity,
+# the rate limits still bound how many anyone gets.
+DEFAULT_WORK_BITS = 27
+
+
 @dataclass(frozen=True, kw_only=True)
 class AuthorityConfig:
     """Whom the authority gives tickets, and how fast."""
 
     policy: AdmissionPolicy = field(default_factory=AdmissionPolicy)
+    # open mode: leading zero bits of the proof of work a new identity must attach to its request (0: none)
+    work_bits: int = DEFAULT_WORK_BITS
     new_per_address_per_h: float = 60.0  # open mode: new tickets one client address may obtain per hour
-    new_per_address_burst: float = 30.0
+    new_per_address_burst: float = 10.0  # was 30 while identities were free; a few peers behind one NAT still fit
     new_global_per_h: float = 1200.0  # open mode: new tickets for everyone together per hour
-    new_global_burst: float = 200.0
+    new_global_burst: float = 100.0
     # A peer asking again this soon (at most an eighth of the lifetime) gets its current ticket back, and nothing
     # is written: renewals are cheap, a peer looping on requests is not.
     reuse_s: float = 60.0
@@ -86,6 +99,8 @@ class AuthorityConfig:
     keep_expired_s: float = 7 * 86400.0  # the ledger forgets tickets that expired longer ago than this
 
     def __post_init__(self) -> None:
+        if type(self.work_bits) is not int or not 0 <= self.work_bits <= MAX_BITS:
+            raise ValueError(f"work_bits must be an int in [0, {MAX_BITS}], got {self.work_bits!r}")
         for name in ("new_per_address_per_h", "new_global_per_h"):
             if not 0 < getattr(self, name) <= 1e6:
                 raise ValueError(f"{name} must be in (0, 1e6], got {getattr(self, name)}")
@@ -122,8 +137,13 @@ class Authority:
     def mode(self) -> str:
         return self.config.policy.mode
 
+    @property
+    def work_bits(self) -> int:
+        """Bits of proof of work a new identity must bring: only ``open`` runs ask for any."""
+        return self.config.work_bits if self.mode == "open" else 0
+
     def info(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "authority": self.peer_id, "admission": self.mode}
+        return {"run_id": self.run_id, "authority": self.peer_id, "admission": self.mode, "work_bits": self.work_bits}
 
     # -- tickets ---------------------------------------------------------------------------------------------
 
@@ -161,6 +181,13 @@ class Authority:
                     and now - current.issued_at < min(self.config.reuse_s, self.config.policy.ticket_s / 8):
                 return self._granted(current)
             if self.mode == "open" and not holds:
+                bits = self.work_bits
+                if not check_work(self.run_id, request.peer_id, request.timestamp, request.work, bits):
+                    what = "no proof of work" if not request.work else "a proof of work that does not check"
+                    return Answer(status=428, body={"work_bits": bits, "error": (
+                        f"a new identity in this open run must prove {bits} bits of work in its ticket request (a "
+                        f"'work' whose sha256 with the run id, peer id and timestamp starts with {bits} zero bits); "
+                        f"this request carries {what}")})
                 if not self._per_address.allow(client, now):
                     wait = self._per_address.wait_s(client, now)
                     return _refuse(429, f"too many new tickets for this address; retry in {wait:.0f}s")

@@ -7,9 +7,12 @@ Subprocess use (local swarm launcher, tests)::
 The ready file appears (atomically) once the server accepts connections; see :mod:`swarmloco.coordinator.server` for its
 JSON fields (``url``, ``port``, ``dht_maddrs``, ``join_command``, ...). SIGINT/SIGTERM stop it cleanly.
 
-Who may join: ``--admission open|invite|allowlist|none`` (with ``--invite-code``/``--invite-file`` or
-``--allowlist``) and ``--ticket-lifetime``. ``swarmloco coordinator revoke --db DB PEER_ID [--reason TEXT]`` and
-``unrevoke`` change the revocation list, also while the server runs (same database file).
+Who may join: ``--admission invite|open|allowlist|none`` (with ``--invite-code``/``--invite-file``, ``--work-bits``
+or ``--allowlist``) and ``--ticket-lifetime``. The default is ``invite``: without a code given, the coordinator
+generates one, keeps it in ``<db>.invite`` (so a restart keeps accepting it) and prints it in the join command.
+An ``open`` run must be asked for, and asks every new identity for a proof of work (``--work-bits``).
+``swarmloco coordinator revoke --db DB PEER_ID [--reason TEXT]`` and ``unrevoke`` change the revocation list,
+also while the server runs (same database file).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import os
+import secrets
 import shlex
 import sys
 from pathlib import Path
@@ -35,6 +40,7 @@ __all__ = ["add_coordinator_arguments", "add_status_arguments", "admission_polic
 logger = logging.getLogger(__name__)
 
 MAX_INVITE_FILE_BYTES = 1024 * 1024
+INVITE_SUFFIX = ".invite"  # the generated invite code lives next to the database, like its <db>.key
 
 
 def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,10 +66,14 @@ def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a peer seen within this many seconds counts as online")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="logging verbosity")
-    parser.add_argument("--admission", default="open", choices=POLICIES,
-                        help="who gets a ticket: open (anyone, rate-limited), invite (with an invite code), allowlist "
-                             "(listed peer ids), none (no tickets: a private swarm where anyone who can reach the "
-                             "peers takes part)")
+    parser.add_argument("--admission", default="invite", choices=POLICIES,
+                        help="who gets a ticket: invite (the default: with an invite code; one is generated and "
+                             "printed when none is given), open (anyone who brings a proof of work, rate-limited), "
+                             "allowlist (listed peer ids), none (no tickets: a private swarm where anyone who can "
+                             "reach the peers takes part)")
+    parser.add_argument("--work-bits", type=int, default=None, metavar="BITS",
+                        help="--admission open: a new identity must find a hash with this many leading zero bits, "
+                             "2^BITS hashes of work (default 27: about a CPU-minute; 0 = none; at most 40)")
     parser.add_argument("--invite-code", action="append", default=[], metavar="CODE",
                         help="an invite code accepted by --admission invite (repeatable)")
     parser.add_argument("--invite-file", type=Path, default=None, metavar="FILE",
@@ -104,9 +114,35 @@ def _invite_codes(args: argparse.Namespace) -> frozenset[str]:
     return frozenset(codes)
 
 
-def admission_policy(args: argparse.Namespace) -> AdmissionPolicy:
-    """The policy the admission flags describe; raises ValueError (AdmissionError) for a bad combination."""
-    codes = _invite_codes(args)
+def generated_invite(path: Path) -> str:
+    """The invite code kept in ``path``; a random one, written there readable by its owner only, the first time."""
+    try:
+        with open(path, "rb") as f:
+            code = f.read(MAX_INVITE_CHARS + 3).decode("utf-8", errors="strict").strip()
+    except FileNotFoundError:
+        code = ""
+    if len(code) > MAX_INVITE_CHARS or "\n" in code:
+        raise ValueError(f"{path} must hold one invite code of at most {MAX_INVITE_CHARS} chars")
+    if code:
+        return code
+    code = secrets.token_urlsafe(18)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(code + "\n")
+    os.replace(tmp, path)
+    return code
+
+
+def invite_to_generate(args: argparse.Namespace) -> bool:
+    """Whether these flags ask for an invite run without naming a code: the coordinator then makes one."""
+    return args.admission == "invite" and not args.invite_code and args.invite_file is None
+
+
+def admission_policy(args: argparse.Namespace, *, generated: str = "") -> AdmissionPolicy:
+    """The policy the admission flags describe, with ``generated`` as the invite code when they name none; raises
+    ValueError (AdmissionError) for a bad combination."""
+    codes = _invite_codes(args) | ({generated} if generated and invite_to_generate(args) else set())
     if (args.invite_code or args.invite_file is not None) and args.admission != "invite":
         raise ValueError(f"--invite-code/--invite-file need --admission invite (got --admission {args.admission})")
     if args.allowlist is not None and args.admission != "allowlist":
@@ -114,6 +150,8 @@ def admission_policy(args: argparse.Namespace) -> AdmissionPolicy:
     if args.admission == "invite" and args.invite_file is not None and not codes:
         raise ValueError(f"--invite-file {args.invite_file} holds no invite code")
     allowlist = load_allowlist(args.allowlist) if args.allowlist is not None else frozenset()
+    if args.work_bits is not None and args.admission != "open":
+        raise ValueError(f"--work-bits needs --admission open (got --admission {args.admission})")
     return AdmissionPolicy(mode=args.admission, invite_codes=codes, allowlist=allowlist,
                            ticket_s=args.ticket_lifetime)
 
@@ -130,7 +168,7 @@ def _maddr_host(maddr: str) -> str:
     return parts[2] if len(parts) > 2 and parts[1] in ("ip4", "ip6", "dns", "dns4", "dns6") else ""
 
 
-def public_join(info: dict[str, Any], *, host: str, dht_host: str) -> tuple[str, str | None]:
+def public_join(info: dict[str, Any], *, host: str, dht_host: str, invite: str = "") -> tuple[str, str | None]:
     """The join command to print, and a note when it only works on this machine.
 
     A DHT node on a wildcard address lists every interface's address, loopback first; a volunteer elsewhere needs
@@ -144,7 +182,8 @@ def public_join(info: dict[str, Any], *, host: str, dht_host: str) -> tuple[str,
         address = _maddr_host(maddr)
         url = f"http://{address if ':' not in address else f'[{address}]'}:{info['port']}"
     parts = ["swarmloco", "peer"] + (["--initial-peer", maddr] if maddr else [])
-    command = shlex.join([*parts, "--coordinator", url, "--run-id", info["run_id"]])
+    command = shlex.join([*parts, "--coordinator", url, "--run-id", info["run_id"],
+                          *(["--invite", invite] if invite else [])])
     note = None
     if maddrs and not public:
         note = ("only a loopback address is known, so this command works on this machine only"
@@ -183,12 +222,17 @@ def run_coordinator(args: argparse.Namespace) -> int:
         print(f"swarmloco coordinator: {problem}", file=sys.stderr)
         return 2
     try:
-        policy = admission_policy(args)
+        if not Path(args.db).parent.is_dir():  # before the invite code is written there
+            raise ValueError(f"directory of --db {args.db} does not exist; create it first")
+        generated = generated_invite(Path(str(args.db) + INVITE_SUFFIX)) if invite_to_generate(args) else ""
+        policy = admission_policy(args, generated=generated)
+        work = {} if args.work_bits is None else {"work_bits": args.work_bits}
         service = ServiceConfig(run_id=args.run_id, max_past_s=args.max_past_s, max_future_s=args.max_future_s,
-                                online_window_s=args.online_window_s, authority=AuthorityConfig(policy=policy))
+                                online_window_s=args.online_window_s, authority=AuthorityConfig(policy=policy, **work))
         config = CoordinatorConfig(db=args.db, host=args.host, port=args.port, dht=not args.no_dht,
                                    dht_host=args.dht_host, dht_port=args.dht_port, identity_path=args.identity,
-                                   ready_file=args.ready_file, service=service, connections=ConnectionLimits(**{
+                                   ready_file=args.ready_file, local_invite=generated, service=service,
+                                   connections=ConnectionLimits(**{
                                        field: getattr(args, flag) for flag, field in _CONNECTION_FLAGS.items()
                                        if getattr(args, flag, None) is not None}))
         server = CoordinatorServer(config)
@@ -203,10 +247,16 @@ def run_coordinator(args: argparse.Namespace) -> int:
     info = server.info()
     print(f"coordinator  {info['url']}   (dashboard: {info['url']}/   API docs: {info['url']}/docs)")
     print(f"database     {info['db']}")
-    print(f"authority    {info['authority']}   (admission: {info['admission']})")
+    bits = service.authority.work_bits
+    work = f", a {bits}-bit proof of work per new identity" if policy.mode == "open" and bits else ""
+    print(f"authority    {info['authority']}   (admission: {info['admission']}{work})")
+    if generated:
+        print(f"invite code  {generated}   (generated, kept in {args.db}{INVITE_SUFFIX}: whoever has it may join)")
+    elif policy.mode == "invite":
+        print("invite code  one of those given with --invite-code/--invite-file (peers pass it with --invite)")
     for maddr in info["dht_maddrs"]:
         print(f"DHT node     {maddr}")
-    command, note = public_join(info, host=args.host, dht_host=args.dht_host)
+    command, note = public_join(info, host=args.host, dht_host=args.dht_host, invite=generated)
     print(f"join with:   {command}", flush=True)
     if note:
         print(f"note:        {note}", flush=True)

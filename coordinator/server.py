@@ -8,7 +8,11 @@ atomically once the server accepts connections::
     {"url": "http://127.0.0.1:41234", "host": "127.0.0.1", "port": 41234, "run_id": "default",
      "db": "/abs/runs.sqlite", "pid": 1234, "authority": "12D3KooW...", "admission": "open",
      "dht_peer_id": "12D3KooW..." | null, "dht_maddrs": ["/ip4/127.0.0.1/tcp/38211/p2p/12D3KooW..."],
-     "join_command": "swarmloco peer ..."}
+     "join_command": "swarmloco peer ...", "invite": "..."}
+
+``invite`` is there only when the config names a ``local_invite`` (the code ``swarmloco coordinator`` generated
+for an invite run): peers on this host (``swarmloco swarm``, a compose service with ``--bootstrap-file``) read it
+from the file, which is then readable by its owner only.
 
 The identity file (``<db>.key`` unless given) is the run's authority key, which signs tickets and revocation
 lists; it exists even without a DHT node, and the DHT node runs under the same key. With a DHT node, the signed
@@ -59,6 +63,7 @@ class CoordinatorConfig:
     dht_port: int = 0
     identity_path: Path | None = None  # default: <db>.key
     ready_file: Path | None = None
+    local_invite: str = ""  # written into the ready file (only there) for peers on this host; "" writes none
     service: ServiceConfig = field(default_factory=ServiceConfig)
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
 
@@ -67,17 +72,19 @@ class CoordinatorConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not 0 <= self.dht_port <= 65535:
             raise ValueError(f"dht_port must be in [0, 65535], got {self.dht_port}")
+        if len(self.local_invite) > 256 or "\n" in self.local_invite:
+            raise ValueError("local_invite must be one line of at most 256 chars")
         if not Path(self.db).parent.is_dir():
             raise ValueError(f"directory of --db {self.db} does not exist; create it first")
 
 
-def join_command(maddr: str | None, url: str, run_id: str) -> str:
+def join_command(maddr: str | None, url: str, run_id: str, invite: str = "") -> str:
     """The exact command a volunteer runs to join this coordinator's run."""
     parts = ["swarmloco", "peer"]
     if maddr:
         parts += ["--initial-peer", maddr]
     parts += ["--coordinator", url, "--run-id", run_id]
-    return shlex.join(parts)
+    return shlex.join(parts + (["--invite", invite] if invite else []))
 
 
 class CoordinatorServer:
@@ -174,7 +181,15 @@ class CoordinatorServer:
             return
         path = Path(self.config.ready_file)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.info(), indent=2))
+        info, invite = self.info(), self.config.local_invite
+        if invite:
+            info["invite"] = invite
+            info["join_command"] = join_command(self.dht_maddrs[0] if self.dht_maddrs else None, self.url,
+                                                info["run_id"], invite)
+        tmp.unlink(missing_ok=True)  # a fresh file gets the mode below; an old one would keep its own
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if invite else 0o666)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(info, indent=2))
         os.replace(tmp, path)
 
     def _wait_started(self, timeout: float) -> bool:

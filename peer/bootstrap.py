@@ -1,7 +1,9 @@
 """Startup decisions that depend on where the peer runs, made once before training starts:
 
 - whom to dial first: `--bootstrap-file` waits for the ready file a coordinator writes (`swarmloco coordinator
-  --ready-file`) and dials the DHT node it names, so no peer id is ever written into a compose file;
+  --ready-file`) and dials the DHT node it names, so no peer id is ever written into a compose file; when the file
+  carries the invite code the coordinator generated, a peer that reports to a coordinator and has no `--invite`
+  uses it (the peers of one compose project join their own invite-only coordinator);
 - which data shard to read: `--shard-index auto` gives replica n of a compose service shard (n-1) mod
   --num-shards, from the container's reverse-DNS name, so the replicas of one service read different data.
 
@@ -188,12 +190,16 @@ def replica_shard(
 def resolve(cfg: PeerConfig, *, dns_server: tuple[str, int] | None = None, ip: str | None = None) -> PeerConfig:
     """The config with the bootstrap peer and the shard filled in. Waits for the ready file only when the peer
     needs it: in a swarm, with --bootstrap-file, and no --initial-peer (which means joining some other swarm)."""
-    run, net, boot = cfg.run, cfg.network, cfg.bootstrap
+    run, net, boot, admission = cfg.run, cfg.network, cfg.bootstrap, cfg.admission
     if boot.file and not net.initial_peers and not run.solo:
         info = wait_for_dht_peer(Path(boot.file), boot.wait_s)
         net = replace(net, initial_peers=bootstrap_maddrs(info, boot))
         logger.info("bootstrap: dialing %s (from %s)", ", ".join(net.initial_peers), boot.file)
+        invite = info.get("invite")
+        if run.coordinator and not admission.invite and isinstance(invite, str) and 0 < len(invite) <= 256:
+            admission = replace(admission, invite=invite)
+            logger.info("bootstrap: using the invite code the coordinator wrote into %s", boot.file)
     if run.shard_index is None:
         run = replace(run, shard_index=replica_shard(run.num_shards, server=dns_server, ip=ip))
         logger.info("shard auto: reading shard %d of %d", run.shard_index, run.num_shards)
-    return replace(cfg, run=run, network=net)
+    return replace(cfg, run=run, network=net, admission=admission)

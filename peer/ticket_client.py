@@ -1,15 +1,19 @@
 """Asking the coordinator, the run's authority, for an admission ticket (blocking calls; no thread of its own).
 
-``fetch_authority`` learns the run id, the authority's peer id and the admission policy; ``request_ticket`` proves
-we own our key with a signed request (protocol/trust/ticket_request.py) and checks the ticket it gets back before anyone
-else sees it: for us, for this run, signed by that authority; ``fetch_revocations`` reads the signed revocation
-list (verify it with ``Revocations.parse`` or ``Gate.update_revocations``). Every failure is a
-:class:`TicketError` with a one-line message.
+``fetch_authority`` learns the run id, the authority's peer id, the admission policy and the proof of work a new
+identity must bring (``work_bits``); ``request_ticket`` proves we own our key with a signed request
+(protocol/trust/ticket_request.py), solving the run's admission puzzle first when we hold no ticket in an ``open``
+run (protocol/trust/puzzle.py), and checks the ticket it gets back before anyone else sees it: for us, for this run,
+signed by that authority; ``fetch_revocations`` reads the signed revocation list (verify it with
+``Revocations.parse`` or ``Gate.update_revocations``). Every failure is a :class:`TicketError` with a one-line
+message.
 """
 from __future__ import annotations
 
 import json
+import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import requests
@@ -18,12 +22,19 @@ import urllib3
 from swarmloco.protocol.base.text import bounded
 from swarmloco.protocol.trust.admission import POLICIES, AdmissionError, Ticket
 from swarmloco.protocol.trust.identity import Identity, public_key_from_peer_id
-from swarmloco.protocol.trust.ticket_request import build_ticket_request
+from swarmloco.protocol.trust.puzzle import MAX_BITS, PuzzleTimeout, hash_rate, solve, valid_bits
+from swarmloco.protocol.trust.ticket_request import MAX_AGE_S, TicketRequest, build_ticket_request
 
 __all__ = ["TicketError", "fetch_authority", "fetch_revocations", "request_ticket"]
 
+logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 10.0
 MAX_ANSWER_BYTES = 8 * 1024 * 1024  # the revocation list is the largest answer
+MAX_WORK_S = 1800.0  # give up on the admission puzzle after this long (30x the default's expected minute)
+# The authority accepts a request up to MAX_AGE_S old and the proof is bound to its timestamp: after this long
+# without a proof, start over with a fresh timestamp (the chance per hash is the same, so nothing is lost on average).
+RESTAMP_S = MAX_AGE_S - 60.0
+QUIET_BITS = 16  # a puzzle this small takes milliseconds: solved without measuring the machine or logging
 
 
 class TicketError(RuntimeError):
@@ -67,7 +78,8 @@ def _json_object(blob: bytes, what: str) -> dict[str, Any]:
 
 
 def fetch_authority(url: str, *, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
-    """``{"run_id", "authority", "admission"}`` of the coordinator at ``url``."""
+    """``{"run_id", "authority", "admission", "work_bits"}`` of the coordinator at ``url`` (``work_bits`` is 0
+    when an older coordinator does not name it)."""
     status, blob = _call("GET", url, "/api/authority", "the authority request", timeout=timeout)
     if status != 200:
         raise TicketError(f"coordinator refused to name its authority: {status} {_error_text(status, blob)}")
@@ -78,20 +90,82 @@ def fetch_authority(url: str, *, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str
         public_key_from_peer_id(info.get("authority"))  # type: ignore[arg-type]
     except ValueError as e:
         raise TicketError(f"coordinator's authority is not a usable peer id: {e}") from None
+    info.setdefault("work_bits", 0)
+    if not valid_bits(info["work_bits"]):
+        raise TicketError(f"coordinator asks for a proof of work of {bounded(repr(info['work_bits']), 40)} bits; "
+                          f"an int in 0..{MAX_BITS} was expected")
     return info
 
 
-def request_ticket(url: str, identity: Identity, run_id: str, *, invite: str = "", role: str = "trainer",
-                   timeout: float = DEFAULT_TIMEOUT_S, authority: str | None = None) -> Ticket:
-    """A ticket for ``identity`` in ``run_id``, checked against the authority (fetched unless ``authority`` is
-    given: pass the one you trust to notice a coordinator whose key changed)."""
-    if authority is None:
-        authority = str(fetch_authority(url, timeout=timeout)["authority"])
+def _proved_request(identity: Identity, run_id: str, bits: int, *, role: str, invite: str, max_work_s: float,
+                    stop: Callable[[], bool] | None) -> TicketRequest:
+    """A request carrying a proof of ``bits`` bits of work, found in at most ``max_work_s`` seconds."""
+    if bits > QUIET_BITS:
+        rate = hash_rate(0.1)
+        expected_s = 2.0 ** bits / rate
+        if expected_s > max_work_s:
+            raise TicketError(f"the run asks a new identity for a {bits}-bit proof of work, about {expected_s:.0f}s "
+                              f"on this machine ({rate:,.0f} hashes/s): more than the {max_work_s:.0f}s we give it")
+        logger.info("solving the run's admission puzzle: 2^%d hashes, about %.0fs on this machine (%s hashes/s); a "
+                    "new identity in an open run pays this once, renewals do not", bits, expected_s, f"{rate:,.0f}")
+    start = time.monotonic()
+    while True:
+        left = max_work_s - (time.monotonic() - start)
+        timestamp = time.time()
+        try:
+            work = solve(run_id, identity.peer_id, timestamp, bits, max_s=min(RESTAMP_S, left), stop=stop)
+            break
+        except PuzzleTimeout as e:
+            if (stop is not None and stop()) or time.monotonic() - start >= max_work_s:
+                raise TicketError(f"gave up on the {bits}-bit admission puzzle after "
+                                  f"{time.monotonic() - start:.0f}s: {e}") from None
+            logger.info("admission puzzle: no proof yet after %.0fs; going on with a fresh timestamp",
+                        time.monotonic() - start)
+    if bits > QUIET_BITS:
+        logger.info("solved the admission puzzle in %.1fs", time.monotonic() - start)
+    return build_ticket_request(identity, run_id, role=role, invite=invite, timestamp=timestamp, work=work)
+
+
+def _asked_bits(blob: bytes) -> int | None:
+    """The proof of work a 428 answer asks for, when it names a usable one."""
     try:
-        request = build_ticket_request(identity, run_id, role=role, invite=invite)
-    except ValueError as e:
-        raise TicketError(f"cannot build a ticket request: {e}") from None
-    status, blob = _call("POST", url, "/api/tickets", "the ticket request", timeout=timeout, data=request.encode())
+        bits = json.loads(blob).get("work_bits")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    return bits if valid_bits(bits) and bits > 0 else None
+
+
+def request_ticket(url: str, identity: Identity, run_id: str, *, invite: str = "", role: str = "trainer",
+                   timeout: float = DEFAULT_TIMEOUT_S, authority: str | None = None, work_bits: int | None = None,
+                   renewal: bool = False, max_work_s: float = MAX_WORK_S,
+                   stop: Callable[[], bool] | None = None) -> Ticket:
+    """A ticket for ``identity`` in ``run_id``, checked against the authority (fetched unless ``authority`` is
+    given: pass the one you trust to notice a coordinator whose key changed).
+
+    A new identity (``renewal`` false: we hold no valid ticket) brings the proof of work the authority asks for:
+    ``work_bits``, read from the authority when not given. A renewal brings none; if the authority asks for one
+    anyway (428: it lost our ticket), it is solved and the request sent again. Solving gives up after
+    ``max_work_s`` seconds in all, or when ``stop()`` turns true.
+    """
+    give_up = time.monotonic() + max_work_s
+    if authority is None or (work_bits is None and not renewal):
+        info = fetch_authority(url, timeout=timeout)
+        authority = str(info["authority"]) if authority is None else authority
+        work_bits = int(info["work_bits"]) if work_bits is None else work_bits
+    bits = 0 if renewal else work_bits or 0
+    while True:
+        try:
+            request = (build_ticket_request(identity, run_id, role=role, invite=invite) if not bits else
+                       _proved_request(identity, run_id, bits, role=role, invite=invite,
+                                       max_work_s=max(0.0, give_up - time.monotonic()), stop=stop))
+        except ValueError as e:
+            raise TicketError(f"cannot build a ticket request: {e}") from None
+        status, blob = _call("POST", url, "/api/tickets", "the ticket request", timeout=timeout,
+                             data=request.encode())
+        asked = _asked_bits(blob) if status == 428 else None
+        if asked is None or asked <= bits:
+            break
+        bits = asked  # asked grows with every try and is at most MAX_BITS: this ends
     if status != 200:
         raise TicketError(f"coordinator refused a ticket: {status} {_error_text(status, blob)}")
     body = _json_object(blob, "the ticket request")

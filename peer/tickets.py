@@ -5,7 +5,8 @@ Where the ticket comes from, in this order:
   sign our own ticket with it;
 - `--ticket FILE`: a ticket the authority issued to our peer id offline (`swarmloco ticket`);
 - `--coordinator URL`: the coordinator is the authority; we prove our key and ask it for a ticket (with `--invite`
-  when the run is invite-only).
+  when the run is invite-only; in an `open` run our first ticket costs the proof of work the coordinator asks for,
+  a CPU-minute by default, which renewals do not).
 A ticket is renewed in the background at half its life; a failed renewal is retried and reported, and training
 goes on until the old ticket expires. `--private` (or a coordinator whose admission is `none`) runs without
 tickets: anyone who can reach the peers takes part, which is said loudly at start.
@@ -60,6 +61,8 @@ class Admission:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._authority_key: Identity | None = None
+        self._work_bits: int | None = None  # the coordinator's admission puzzle, when we asked it
+        self.expires_at = 0.0  # of the ticket we hold: none yet
         authority = self._authority()
         self.gate = Gate(run_id, authority)
         self.credentials = Credentials(identity)
@@ -97,6 +100,7 @@ class Admission:
             if info.get("run_id") != self.run_id:
                 raise AdmissionSetupError(f"the coordinator at {self.coordinator} runs {info.get('run_id')!r}, "
                                           f"not --run-id {self.run_id!r}")
+            self._work_bits = int(info["work_bits"])
             return None if info.get("admission") == "none" else str(info["authority"])
         return None
 
@@ -115,7 +119,9 @@ class Admission:
 
             try:
                 ticket = request_ticket(self.coordinator, self.identity, self.run_id, invite=cfg.invite,
-                                        timeout=AUTHORITY_TIMEOUT_S, authority=self.gate.authority)
+                                        timeout=AUTHORITY_TIMEOUT_S, authority=self.gate.authority,
+                                        work_bits=self._work_bits, renewal=self.expires_at > time.time(),
+                                        stop=self._stop.is_set)
             except TicketError as exc:
                 raise AdmissionSetupError(str(exc)) from None
         else:

@@ -10,6 +10,7 @@ counts those still alive afterwards. Writes --json (rounds, goodput, faults, per
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -78,7 +79,7 @@ class ChaosRun:
         self.bootstrap_dht: Any = None
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.coordinator_url: str | None = None
-        self.coordinator_port = 0
+        self.coordinator_port, self.coordinator_invite = 0, ""  # its run is invite-only, with a generated code
         self.started: list[subprocess.Popen[bytes]] = []  # burners and coordinators, every one we ever started
         self.peer_pids: set[int] = set()
         self.sampler = ProcSampler()
@@ -146,10 +147,8 @@ class ChaosRun:
 
     def kill_coordinator(self) -> None:
         if self.coordinator is not None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.coordinator.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             self.coordinator.wait(10)
 
     def start_coordinator(self) -> None:
@@ -162,7 +161,7 @@ class ChaosRun:
         ready.unlink(missing_ok=True)
         argv = [sys.executable, "-m", "swarmloco.coordinator", "--db", str(self.root / "coordinator.sqlite"),
                 "--host", "127.0.0.1", "--port", str(self.coordinator_port), "--no-dht", "--ready-file", str(ready),
-                "--run-id", self.cfg.run_id]
+                "--run-id", self.cfg.run_id, "--admission", "invite"]
         with open(self.root / "coordinator.log", "ab") as log:
             self.coordinator = subprocess.Popen(argv, stdout=log, stderr=log, env=self.env, start_new_session=True)
         self.started.append(self.coordinator)
@@ -172,6 +171,7 @@ class ChaosRun:
             time.sleep(0.2)
         if not ready.exists():
             raise RuntimeError(f"coordinator did not start; see {self.root / 'coordinator.log'}")
+        self.coordinator_invite = str(json.loads(ready.read_text()).get("invite") or "")  # the same after a restart
 
     def fault(self, kind: str, peer: str | None) -> None:
         self.faults.append({"t": round(time.time() - self.t0, 2), "kind": kind, "peer": peer})
@@ -190,7 +190,7 @@ class ChaosRun:
                 "--host-maddr", "/ip4/127.0.0.1/tcp/0", "--run-id", cfg.run_id, "--linger", "0",
                 "--wait-for-peers", str(wait_for), "--seed", "0"]
         if self.coordinator_url:
-            argv += ["--coordinator", self.coordinator_url]
+            argv += ["--coordinator", self.coordinator_url, "--invite", self.coordinator_invite]
         else:
             argv += ["--authority-key", str(self.root / AUTHORITY_KEY)]
         for maddr in self.bootstrap:

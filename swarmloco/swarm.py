@@ -60,7 +60,8 @@ def add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
     add("--summary-json", default=None, help="write per-round records, eval losses and peak memory here")
     add("--timeout", type=float, default=1800.0, help="give up (and stop every peer) after this many seconds")
     add("--threads", type=int, default=0, help="torch threads per peer (0 = cores / peers)")
-    add("--coordinator", default=None, help="report to this existing coordinator URL instead of starting one")
+    add("--coordinator", default=None, help="report to this existing coordinator URL instead of starting one (its "
+                                           "invite code, if any, goes in --peer-arg=--invite=CODE)")
     add("--no-coordinator", action="store_true", help="start no coordinator (peers then report nowhere)")
     add("--run-id", default="local-swarm", help="run id (DHT namespace and coordinator run)")
     add("--spawn", choices=("fork", "exec"), default="fork",
@@ -79,7 +80,7 @@ def load_factor(peers: int, cores: int | None = None) -> float:
 
 
 def _peer_argv(args: argparse.Namespace, i: int, workdir: Path, bootstrap: list[str], slowdowns: list[float],
-               threads: int, coordinator_url: str | None) -> list[str]:
+               threads: int, coordinator_url: str | None, invite: str = "") -> list[str]:
     quorum = args.quorum or min(args.peers, max(2, args.peers // 2))
     f = load_factor(args.peers)
     argv = [
@@ -102,6 +103,8 @@ def _peer_argv(args: argparse.Namespace, i: int, workdir: Path, bootstrap: list[
                  "--dht-timeout", f"{min(8.0, 3 * f):g}"]
     if coordinator_url:
         argv += ["--coordinator", coordinator_url]  # the coordinator is the run's authority and issues tickets
+        if invite:  # the code our own coordinator generated (its run is invite-only, like every coordinator's default)
+            argv += ["--invite", invite]
     else:
         # No coordinator: the launcher holds the run's authority key, and every local peer signs its own ticket.
         argv += ["--authority-key", str(workdir.parent / AUTHORITY_KEY)]
@@ -133,6 +136,7 @@ class Swarm:
         for key, value in LEAN_ENV.items():
             self.env.setdefault(key, value)
         self.coordinator: subprocess.Popen[bytes] | None = None
+        self.invite = ""  # the invite code of the coordinator we started
         self.bootstrap_dht: Any = None
         self.zygote: Any = None
         self.peers: list[PeerProc] = []
@@ -146,6 +150,7 @@ class Swarm:
         args = self.args
         if not args.coordinator and not args.no_coordinator:
             self.coordinator, info = start_coordinator(self.root, args.run_id, self.env)
+            self.invite = str(info.get("invite") or "")
             url = info["url"]
             print(f"coordinator: dashboard at {url}/  (API {url}/api/rounds, metrics {url}/metrics)", flush=True)
             return list(info["dht_maddrs"]), url
@@ -162,7 +167,8 @@ class Swarm:
 
             self.zygote = Zygote(self.env)
         self.peers = [PeerProc(i, self.root / f"peer-{i}", _peer_argv(args, i, self.root / f"peer-{i}", bootstrap,
-                                                                        self.slowdowns, self.threads, coordinator_url),
+                                                                        self.slowdowns, self.threads, coordinator_url,
+                                                                        self.invite),
                                spawner=self.zygote) for i in range(args.peers)]
         pending = list(self.peers)
         joined: set[int] = set()

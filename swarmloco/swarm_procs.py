@@ -125,7 +125,10 @@ def become_subreaper() -> None:
 def start_coordinator(
     root: Path, run_id: str, env: dict[str, str], *, timeout: float = 90.0
 ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
-    """Start `python -m swarmloco.coordinator` on a free port (its own session) and wait for its ready file."""
+    """Start `python -m swarmloco.coordinator` on a free port (its own session) and wait for its ready file.
+
+    The run is invite-only: the coordinator generates a code (kept next to its database) and writes it into the
+    ready file, whose JSON this returns; the caller hands ``info["invite"]`` to its peers."""
     ready = root / "coordinator.json"
     ready.unlink(missing_ok=True)
     argv = [
@@ -144,6 +147,8 @@ def start_coordinator(
         str(ready),
         "--run-id",
         run_id,
+        "--admission",
+        "invite",
     ]
     with open(root / "coordinator.log", "ab") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=log, env=env, start_new_session=True)

@@ -11,12 +11,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+from swarmloco.coordinator.authority import AuthorityConfig
 from swarmloco.coordinator.server import CoordinatorConfig, CoordinatorServer
 from swarmloco.coordinator.service import ServiceConfig
 from swarmloco.proc_memory import descendants  # noqa: F401  (re-exported: one /proc walker for all tests)
 from swarmloco.protocol.trust.identity import Identity, load_or_create_identity
 
 ROOT = Path(__file__).resolve().parents[1]
+# Open runs in tests ask for 2**8 hashes per new identity (about a millisecond), not the default's CPU-minute.
+TEST_WORK_BITS = 8
+
+
+def open_authority(**kw: Any) -> AuthorityConfig:
+    """The default authority (open admission), with the tests' tiny proof of work unless ``work_bits`` is given."""
+    return AuthorityConfig(**{"work_bits": TEST_WORK_BITS, **kw})
 
 
 def make_identities(directory: Path, n: int) -> list[Identity]:
@@ -46,7 +54,9 @@ def round_body(rnd: int, members: list[str], *, outcome: str = "committed", eval
 
 
 def start_server(db: Path, **service_kw: Any) -> CoordinatorServer:
-    """An in-thread coordinator on 127.0.0.1, port 0, without DHT."""
+    """An in-thread coordinator on 127.0.0.1, port 0, without DHT (open admission with TEST_WORK_BITS unless
+    ``authority`` is given)."""
+    service_kw.setdefault("authority", open_authority())
     config = CoordinatorConfig(db=db, host="127.0.0.1", port=service_kw.pop("port", 0), dht=False,
                                service=ServiceConfig(**service_kw))
     return CoordinatorServer(config).start(timeout=20)
@@ -61,7 +71,8 @@ def child_env() -> dict[str, str]:
 
 def spawn_coordinator(db: Path, ready: Path, *extra: str, port: int = 0,
                       timeout: float = 60.0) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
-    """Start ``python -m swarmloco.coordinator`` and wait for its ready file; returns the process and its JSON."""
+    """Start ``python -m swarmloco.coordinator`` and wait for its ready file; returns the process and its JSON.
+    Without ``--admission`` in ``extra`` its run is invite-only (the default) and ``info["invite"]`` its code."""
     ready.unlink(missing_ok=True)
     with open(ready.with_suffix(".log"), "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "swarmloco.coordinator", "--db", str(db), "--port", str(port),

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from _coordinator_helpers import open_authority
+
 from swarmloco.coordinator.server import CoordinatorServer
 from swarmloco.coordinator.service import CoordinatorService, ServiceConfig
 from swarmloco.coordinator.store import SQLiteStore
@@ -14,6 +16,7 @@ from swarmloco.peer.ticket_client import request_ticket
 from swarmloco.protocol.trust.admission import Ticket
 from swarmloco.protocol.trust.certificates import Certificate, Statement
 from swarmloco.protocol.trust.identity import Identity
+from swarmloco.protocol.trust.puzzle import solve
 from swarmloco.protocol.trust.reports import build_report
 from swarmloco.protocol.trust.ticket_request import build_ticket_request
 
@@ -24,16 +27,21 @@ def admit(server: CoordinatorServer | str, identity: Identity, run_id: str, *, i
     return request_ticket(url, identity, run_id, invite=invite, timeout=10)
 
 
-def admit_all(server: CoordinatorServer | str, identities: Sequence[Identity], run_id: str) -> dict[str, str]:
+def admit_all(server: CoordinatorServer | str, identities: Sequence[Identity], run_id: str, *,
+              invite: str = "") -> dict[str, str]:
     """Tickets for every identity, as ``{peer_id: ticket text}`` (what a certificate carries)."""
-    return {i.peer_id: admit(server, i, run_id).to_bytes().decode() for i in identities}
+    return {i.peer_id: admit(server, i, run_id, invite=invite).to_bytes().decode() for i in identities}
 
 
 def service_ticket(service: CoordinatorService, identity: Identity, *, invite: str = "", client: str = "10.0.0.1",
                    **request: Any) -> tuple[int, dict[str, Any]]:
-    """Ask the service (no HTTP) for a ticket; returns the status and body."""
-    raw = build_ticket_request(identity, request.pop("run_id", service.config.run_id), invite=invite,
-                               **request).encode()
+    """Ask the service (no HTTP) for a ticket; returns the status and body. The request carries the proof of work
+    the service's authority asks for, solved here, unless ``work`` is given."""
+    run_id = request.pop("run_id", service.config.run_id)
+    request.setdefault("timestamp", time.time())
+    if "work" not in request:
+        request["work"] = solve(run_id, identity.peer_id, request["timestamp"], service.authority.work_bits, max_s=10)
+    raw = build_ticket_request(identity, run_id, invite=invite, **request).encode()
     answer = service.request_ticket(raw, client=client)
     return answer.status, answer.body
 
@@ -81,7 +89,7 @@ class ServiceEnv:
     def __init__(self, db: Path, identity: Identity | None = None, **config: Any) -> None:
         self.clock = Clock(time.time())
         self.store = SQLiteStore(db)
-        self.config = ServiceConfig(**{"run_id": "run", **config})
+        self.config = ServiceConfig(**{"run_id": "run", "authority": open_authority(), **config})
         self.service = CoordinatorService(self.store, self.config, identity=identity, clock=self.clock)
 
     @property

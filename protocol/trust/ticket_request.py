@@ -3,12 +3,15 @@
 The request is a JSON object::
 
     {"peer_id": "12D3KooW...", "run_id": "run-1", "role": "trainer", "invite": "", "timestamp": 1733150000.25,
-     "nonce": "<32 hex>", "signature": "<128 hex>"}
+     "nonce": "<32 hex>", "work": "1234567", "signature": "<128 hex>"}
 
 ``signature`` is the Ed25519 signature, by the key inlined in ``peer_id``, of a domain tag followed by the request
 without ``signature`` as compact JSON with sorted keys: the requester proves it owns the peer id the ticket will
 name, so nobody obtains a ticket for somebody else's key (nor spends its invite code). The timestamp bounds how
 long a captured request can be replayed; the nonce lets the authority recognise a retry of the same request.
+``work`` is the proof of work an ``open`` run asks of a new identity (protocol/trust/puzzle.py: it is bound to the
+run id, the peer id and this timestamp). It may be left out, and is then "" and not part of the signed bytes, so a
+request without it reads and verifies as before the field existed.
 
 Pure code, no I/O: anything malformed raises :class:`TicketRequestError` whose ``status`` is the HTTP code to answer.
 """
@@ -24,6 +27,7 @@ from typing import Any
 
 from swarmloco.protocol.trust.admission import ROLES
 from swarmloco.protocol.trust.identity import Identity, verify
+from swarmloco.protocol.trust.puzzle import MAX_WORK_CHARS, WORK_RE
 from swarmloco.protocol.trust.reports import NONCE_RE, PEER_ID_RE, RUN_ID_RE, SIG_RE, load_bounded_json
 
 __all__ = [
@@ -42,7 +46,8 @@ MAX_INVITE_CHARS = 256
 MAX_AGE_S = 300.0  # a request is made on the spot, never buffered: a short window limits replays of a captured one
 MAX_AHEAD_S = 60.0  # tolerated clock skew ahead of the authority
 _DOMAIN = b"swarmloco-ticket-request-v1\n"
-_KEYS = frozenset({"peer_id", "run_id", "role", "invite", "timestamp", "nonce", "signature"})
+_REQUIRED = frozenset({"peer_id", "run_id", "role", "invite", "timestamp", "nonce", "signature"})
+_KEYS = _REQUIRED | {"work"}  # work is optional: "" when absent
 
 
 class TicketRequestError(ValueError):
@@ -64,14 +69,19 @@ class TicketRequest:
     timestamp: float
     nonce: str
     signature: str = ""
+    work: str = ""
 
     def signed_bytes(self) -> bytes:
-        fields = asdict(self)
+        fields = self.to_json()
         fields.pop("signature")
         return _DOMAIN + json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The request as sent: without ``work`` when it is empty (the format before the field existed)."""
+        fields = asdict(self)
+        if not fields["work"]:
+            fields.pop("work")
+        return fields
 
     def encode(self) -> bytes:
         return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
@@ -92,14 +102,14 @@ class TicketRequest:
 def _validate(obj: Any) -> TicketRequest:
     if type(obj) is not dict:
         raise TicketRequestError(f"ticket request must be a JSON object, got {type(obj).__name__}")
-    missing = sorted(_KEYS - obj.keys())
+    missing = sorted(_REQUIRED - obj.keys())
     if missing:
         raise TicketRequestError(f"ticket request is missing keys: {', '.join(missing)}")
     extra = sorted(str(k)[:40] for k in obj.keys() - _KEYS)
     if extra:
         raise TicketRequestError(f"ticket request has unknown keys: {', '.join(extra[:5])}")
     peer_id, run_id, role, invite = obj["peer_id"], obj["run_id"], obj["role"], obj["invite"]
-    ts, nonce, sig = obj["timestamp"], obj["nonce"], obj["signature"]
+    ts, nonce, sig, work = obj["timestamp"], obj["nonce"], obj["signature"], obj.get("work", "")
     if type(peer_id) is not str or not PEER_ID_RE.fullmatch(peer_id):
         raise TicketRequestError("peer_id must be a base58 libp2p peer id")
     if type(run_id) is not str or not RUN_ID_RE.fullmatch(run_id):
@@ -114,8 +124,10 @@ def _validate(obj: Any) -> TicketRequest:
         raise TicketRequestError("nonce must be 16-64 lowercase hex digits")
     if type(sig) is not str or not SIG_RE.fullmatch(sig):
         raise TicketRequestError("signature must be 128 lowercase hex digits (an Ed25519 signature)")
+    if type(work) is not str or not WORK_RE.fullmatch(work):
+        raise TicketRequestError(f"work must be at most {MAX_WORK_CHARS} decimal digits (a proof of work)")
     return TicketRequest(peer_id=peer_id, run_id=run_id, role=role, invite=invite, timestamp=ts, nonce=nonce,
-                         signature=sig)
+                         signature=sig, work=work)
 
 
 def parse_ticket_request(raw: bytes | str, *, max_bytes: int = MAX_REQUEST_BYTES) -> TicketRequest:
@@ -131,11 +143,12 @@ def parse_ticket_request(raw: bytes | str, *, max_bytes: int = MAX_REQUEST_BYTES
 
 
 def build_ticket_request(identity: Identity, run_id: str, *, role: str = "trainer", invite: str = "",
-                         timestamp: float | None = None, nonce: str | None = None) -> TicketRequest:
-    """A request signed by ``identity`` (a fresh random nonce and the current time unless given)."""
+                         timestamp: float | None = None, nonce: str | None = None, work: str = "") -> TicketRequest:
+    """A request signed by ``identity`` (a fresh random nonce and the current time unless given); ``work`` is a
+    proof of work solved for this run, peer id and ``timestamp`` (protocol/trust/puzzle.py)."""
     unsigned = TicketRequest(peer_id=identity.peer_id, run_id=run_id, role=role, invite=invite,
                              timestamp=float(time.time() if timestamp is None else timestamp),
-                             nonce=secrets.token_hex(16) if nonce is None else nonce, signature="0" * 128)
+                             nonce=secrets.token_hex(16) if nonce is None else nonce, signature="0" * 128, work=work)
     _validate(unsigned.to_json())  # refuse to sign what the authority would refuse to read
     signed = TicketRequest(**{**unsigned.to_json(), "signature": identity.sign(unsigned.signed_bytes()).hex()})
     return signed

@@ -14,7 +14,16 @@ from pathlib import Path
 
 import pytest
 import requests
-from _coordinator_helpers import ROOT, child_env, hello_body, kill, make_identities, spawn_coordinator, start_server
+from _coordinator_helpers import (
+    ROOT,
+    TEST_WORK_BITS,
+    child_env,
+    hello_body,
+    kill,
+    make_identities,
+    spawn_coordinator,
+    start_server,
+)
 
 from swarmloco.coordinator.authority import AuthorityConfig
 from swarmloco.coordinator.cli import add_coordinator_arguments, admission_policy, run_coordinator
@@ -38,7 +47,7 @@ def test_ticket_client_against_a_real_coordinator(tmp_path: Path, ids: list[Iden
     server = start_server(tmp_path / "db.sqlite", run_id="run", authority=AuthorityConfig(policy=policy))
     try:
         info = fetch_authority(server.url, timeout=10)
-        assert info == {"run_id": "run", "authority": server.identity.peer_id, "admission": "invite"}
+        assert info == {"run_id": "run", "authority": server.identity.peer_id, "admission": "invite", "work_bits": 0}
         with pytest.raises(TicketError, match="^coordinator refused a ticket: 403 invite code is missing or wrong$"):
             request_ticket(server.url, ids[0], "run", timeout=10)
         ticket = request_ticket(server.url, ids[0], "run", invite="sesame", timeout=10)
@@ -115,6 +124,20 @@ def test_attack_ticket_client_refuses_a_ticket_not_signed_by_the_authority(liar:
         _LyingCoordinator.answer = "forged"
 
 
+def test_ticket_client_solves_the_admission_puzzle(tmp_path: Path, ids: list[Identity]) -> None:
+    server = start_server(tmp_path / "db.sqlite", run_id="run")  # open, with a TEST_WORK_BITS puzzle
+    try:
+        assert fetch_authority(server.url, timeout=10)["work_bits"] == TEST_WORK_BITS
+        assert request_ticket(server.url, ids[0], "run", timeout=10).peer_id == ids[0].peer_id  # solved first
+        # a client that believed no work was needed is told how much (428), solves it and asks again
+        assert request_ticket(server.url, ids[1], "run", timeout=10, work_bits=0).peer_id == ids[1].peer_id
+        assert request_ticket(server.url, ids[0], "run", timeout=10, renewal=True).peer_id == ids[0].peer_id
+        with pytest.raises(TicketError, match="40-bit proof of work, about .* more than the 1s we give it"):
+            request_ticket(server.url, ids[2], "run", timeout=10, work_bits=40, max_work_s=1)
+    finally:
+        server.stop()
+
+
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_coordinator_arguments(parser)
@@ -129,11 +152,15 @@ def test_admission_flags(tmp_path: Path, ids: list[Identity], capsys: pytest.Cap
     assert policy.invite_codes == {"alpha", "beta", "gamma"} and policy.ticket_s == 600
     assert admission_policy(_args("--admission", "allowlist", "--allowlist", str(tmp_path / "allow"))).allowlist \
         == {ids[0].peer_id}
-    assert admission_policy(_args()).mode == "open"
+    default = admission_policy(_args(), generated="made-up")  # invite-only, with the code the CLI generates
+    assert default.mode == "invite" and default.invite_codes == {"made-up"}
+    assert admission_policy(_args("--invite-code", "x"), generated="made-up").invite_codes == {"x"}
     db = str(tmp_path / "db.sqlite")
     for argv, message in [
-        (["--admission", "invite"], "needs at least one invite code"),
-        (["--invite-code", "x"], "need --admission invite"),
+        (["--admission", "invite", "--invite-code", " "], "needs at least one invite code"),
+        (["--work-bits", "8"], "--work-bits needs --admission open"),
+        (["--admission", "open", "--work-bits", "41"], "work_bits must be an int in [0, 40]"),
+        (["--admission", "open", "--invite-code", "x"], "need --admission invite"),
         (["--admission", "allowlist"], "needs an allowlist"),
         (["--admission", "allowlist", "--allowlist", str(tmp_path / "missing")], "No such file"),
         (["--allowlist", str(tmp_path / "allow")], "needs --admission allowlist"),

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import requests
-from _coordinator_helpers import hello_body, make_identities, metrics_body, round_body
+from _coordinator_helpers import hello_body, make_identities, metrics_body, open_authority, round_body
 from _log_capture import Captured, captured_logs
 from _ticket_helpers import admit
 
@@ -39,7 +39,8 @@ def ids(tmp_path_factory: pytest.TempPathFactory) -> list[Identity]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, ids: list[Identity]) -> Iterator[CoordinatorServer]:
     db = tmp_path_factory.mktemp("db") / "db.sqlite"
-    srv = CoordinatorServer(CoordinatorConfig(db=db, port=0, dht=False, service=ServiceConfig(run_id="run")))
+    srv = CoordinatorServer(CoordinatorConfig(db=db, port=0, dht=False,
+                                              service=ServiceConfig(run_id="run", authority=open_authority())))
     srv.start(timeout=20)
     try:
         admit(srv, ids[0], "run")  # a ticket holder: its reports reach the store

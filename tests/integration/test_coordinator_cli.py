@@ -50,11 +50,17 @@ def test_process_with_dht_ready_file_and_clean_sigterm(tmp_path: Path) -> None:
         assert info["dht_peer_id"].startswith("12D3KooW")
         maddr = info["dht_maddrs"][0]
         assert maddr.startswith("/ip4/127.0.0.1/tcp/") and maddr.endswith("/p2p/" + info["dht_peer_id"])
+        # invite-only by default: a generated code, kept beside the database, in the join command and the ready file
+        invite = info["invite"]
+        assert len(invite) >= 20 and (tmp_path / "runs.sqlite.invite").read_text() == invite + "\n"
         assert info["join_command"] == (f"swarmloco peer --initial-peer {maddr} --coordinator {info['url']} "
-                                        f"--run-id demo")
+                                        f"--run-id demo --invite {invite}")
+        for secret in ("runs.sqlite.invite", "ready.json"):
+            assert (tmp_path / secret).stat().st_mode & 0o777 == 0o600, secret
         assert requests.get(info["url"] + "/healthz", timeout=10).json()["run_id"] == "demo"
         assert (tmp_path / "runs.sqlite.key").exists()  # stable DHT identity next to the database
-        assert info["authority"] == info["dht_peer_id"] and info["admission"] == "open"  # one key for both
+        assert info["authority"] == info["dht_peer_id"] and info["admission"] == "invite"  # one key for both
+        assert requests.get(info["url"] + "/api/authority", timeout=10).json()["work_bits"] == 0
         children = descendants(proc.pid)
         assert children, "expected p2pd as a child"
         proc.send_signal(signal.SIGTERM)
@@ -65,6 +71,7 @@ def test_process_with_dht_ready_file_and_clean_sigterm(tmp_path: Path) -> None:
         assert not [c for c in children if alive(c)], "DHT/p2pd children outlived the coordinator"
         log = (tmp_path / "ready.log").read_text()
         assert "join with:" in log and "Traceback" not in log
+        assert f"invite code  {invite}" in log and f"--run-id demo --invite {invite}\n" in log
     finally:
         kill(proc)
         for child in children:

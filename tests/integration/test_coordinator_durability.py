@@ -24,7 +24,9 @@ def test_sigkill_mid_stream_loses_nothing_acknowledged(tmp_path: Path) -> None:
     db, ready = tmp_path / "runs.sqlite", tmp_path / "ready.json"
     ids = make_identities(tmp_path / "ids", PEERS)
     proc, info = spawn_coordinator(db, ready, "--no-dht", "--run-id", "durable")
-    tickets = admit_all(info["url"], ids, "durable")  # tickets are in the database too: they outlive the SIGKILL
+    # invite-only (the default), with the code the coordinator generated and wrote into its ready file; tickets are
+    # in the database too: they outlive the SIGKILL
+    tickets = admit_all(info["url"], ids, "durable", invite=info["invite"])
     acked: dict[str, int] = {}
     lock = threading.Lock()
 
@@ -63,7 +65,7 @@ def test_sigkill_mid_stream_loses_nothing_acknowledged(tmp_path: Path) -> None:
         assert len(acked_before_kill) >= 40
         time.sleep(0.5)  # peers keep producing into their buffers meanwhile
         proc, again = spawn_coordinator(db, ready, "--no-dht", "--run-id", "durable", port=info["port"])
-        assert again["url"] == info["url"]
+        assert again["url"] == info["url"] and again["invite"] == info["invite"]  # the code survives a restart
         for t in producers:
             t.join(timeout=60)
         for r in reporters:

@@ -58,7 +58,8 @@ class Procs:
 
     def coordinator(self, db: Path, run_id: str, *, port: int = 0, timeout: float = 90.0,
                     ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
-        """``python -m swarmloco.coordinator`` without a DHT node (the swarm launcher runs its own bootstrap node)."""
+        """``python -m swarmloco.coordinator`` without a DHT node (the swarm launcher runs its own bootstrap node);
+        invite-only, the default: its ready file, returned, has the ``invite`` code it generated."""
         ready = self.workdir / "coordinator.ready.json"
         ready.unlink(missing_ok=True)
         proc = self.spawn([sys.executable, "-m", "swarmloco.coordinator", "--db", str(db), "--host", "127.0.0.1",
@@ -308,6 +309,7 @@ def test_coordinator_down_mid_run(procs: Procs, tmp_path: Path) -> None:
         run_id,
         "--summary-json",
         str(tmp_path / "summary.json"),
+        f"--peer-arg=--invite={info['invite']}",  # the coordinator is invite-only: the code it generated
         *PEER_ARGS,
     )
     log = work.with_suffix(".log")

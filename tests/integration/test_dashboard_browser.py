@@ -83,7 +83,7 @@ def test_dashboard_shows_real_swarm(procs: Procs, tmp_path: Path) -> None:
     # curves several points while the whole run stays around a minute.
     swarm = procs.swarm(work, "--peers", str(PEERS), "--rounds", str(ROUNDS), "--inner-steps", "10",
                         "--slowdown", "8,8", "--coordinator", url, "--run-id", RUN_ID,
-                        "--summary-json", str(summary_path), *PEER_ARGS)
+                        "--summary-json", str(summary_path), f"--peer-arg=--invite={info['invite']}", *PEER_ARGS)
     driver = _driver(tmp_path)
     try:
         driver.set_page_load_timeout(60)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _coordinator_helpers import hello_body, make_identities, metrics_body
+from _coordinator_helpers import TEST_WORK_BITS, hello_body, make_identities, metrics_body
 from _ticket_helpers import ServiceEnv
 
 from swarmloco.coordinator.authority import AuthorityConfig
@@ -16,6 +16,7 @@ from swarmloco.coordinator.limits import RateLimiter
 from swarmloco.coordinator.store import SQLiteStore
 from swarmloco.protocol.trust.admission import AdmissionPolicy, Revocations, Ticket
 from swarmloco.protocol.trust.identity import Identity
+from swarmloco.protocol.trust.puzzle import solve
 from swarmloco.protocol.trust.ticket_request import build_ticket_request
 
 pytestmark = pytest.mark.timeout(60)
@@ -28,6 +29,7 @@ def ids(tmp_path_factory: pytest.TempPathFactory) -> list[Identity]:
 
 def _env(tmp_path: Path, mode: str = "open", **kw: object) -> ServiceEnv:
     policy_kw = {k: kw.pop(k) for k in ("invite_codes", "allowlist", "ticket_s") if k in kw}
+    kw.setdefault("work_bits", TEST_WORK_BITS)  # env.ticket solves it (tests/unit/test_admission_puzzle.py)
     authority = AuthorityConfig(policy=AdmissionPolicy(mode=mode, **policy_kw), **kw)  # type: ignore[arg-type]
     return ServiceEnv(tmp_path / "db.sqlite", authority=authority)
 
@@ -55,7 +57,8 @@ def test_open_issues_a_ticket_signed_by_the_authority_and_records_it(env: Servic
                           role="observer") == ""
     assert body["expires_at"] == ticket.expires_at == pytest.approx(env.clock.now + 3600, abs=0.01)
     assert _ticket_rows(env) == [(ids[0].peer_id, "observer", ticket.issued_at, ticket.expires_at)]
-    assert env.service.authority.info() == {"run_id": "run", "authority": env.authority, "admission": "open"}
+    assert env.service.authority.info() == {"run_id": "run", "authority": env.authority, "admission": "open",
+                                            "work_bits": TEST_WORK_BITS}
 
 
 def test_invite_policy(tmp_path: Path, ids: list[Identity]) -> None:
@@ -106,7 +109,8 @@ def test_malformed_stale_and_wrong_run(env: ServiceEnv, ids: list[Identity]) -> 
 
 
 def test_replay_gets_the_same_ticket_and_a_reused_nonce_is_refused(env: ServiceEnv, ids: list[Identity]) -> None:
-    raw = build_ticket_request(ids[0], "run", timestamp=env.clock.now).encode()
+    work = solve("run", ids[0].peer_id, env.clock.now, TEST_WORK_BITS, max_s=10)
+    raw = build_ticket_request(ids[0], "run", timestamp=env.clock.now, work=work).encode()
     first = env.service.request_ticket(raw, client="10.0.0.1")
     env.clock.now += 120  # past the reuse window: a new request would get a new ticket
     again = env.service.request_ticket(raw, client="10.0.0.2")

@@ -187,6 +187,8 @@ def test_coordinator_command_parses(compose: dict[str, Any]) -> None:
     assert args.db.parent == Path("/data") and args.identity.parent == Path("/data")
     assert args.ready_file == Path("/bootstrap/coordinator.json")
     assert args.run_id == "compose"
+    # invite-only with the code the coordinator generates (kept in /data) and writes into the ready file
+    assert args.admission == "invite" and not args.invite_code and args.invite_file is None
 
 
 @pytest.mark.parametrize(
@@ -249,6 +251,7 @@ def write_ready_file(path: Path) -> None:
                 "run_id": "compose",
                 "dht_peer_id": FAKE_PEER_ID,
                 "dht_maddrs": [f"/ip4/172.18.0.2/tcp/31337/p2p/{FAKE_PEER_ID}"],
+                "invite": "generated-code",
             }
         )
     )
@@ -270,6 +273,13 @@ def test_startup_finds_the_coordinator_and_picks_the_replica_shard(
     assert len(dns.questions) == 1
     assert out.network.initial_peers == (f"/dns4/coordinator/tcp/31337/p2p/{FAKE_PEER_ID}",)
     assert (out.run.shard_index, out.run.num_shards) == (2, 8)  # replica 3 -> shard 2 of 8
+    assert cfg.admission.invite == "" and out.admission.invite == "generated-code"  # the coordinator's own code
+
+
+def test_startup_keeps_an_invite_code_given_on_the_command_line(compose: dict[str, Any], tmp_path: Path) -> None:
+    cfg = in_tmp(peer_config(compose, "peer", SWARMLOCO_SHARD_INDEX="1", SWARMLOCO_INVITE="mine"), tmp_path)
+    write_ready_file(tmp_path / "coordinator.json")
+    assert bootstrap.resolve(cfg).admission.invite == "mine"
 
 
 def test_startup_joins_a_given_swarm_without_the_coordinator(compose: dict[str, Any], tmp_path: Path) -> None:
