@@ -14,7 +14,7 @@ from swarmloco.protocol.base.records import PROTOCOL_VERSION, PeerRecord
 from swarmloco.protocol.chain.state_sync import ServedState, StateServer
 from swarmloco.protocol.round.averager import Averager, Contribution, RoundResult
 from swarmloco.protocol.round.config import LocalModel, RoundConfig
-from swarmloco.protocol.round.groups import Group
+from swarmloco.protocol.round.groups import Group, RoundAborted
 from swarmloco.protocol.round.schedule import view_leader, view_rank
 from swarmloco.protocol.testing.fake import FakeNetwork, FakeTransport
 from swarmloco.protocol.trust.admission import Gate
@@ -138,15 +138,24 @@ def publish(averager: Averager, server: StateServer, *, blob: bytes = b"", ready
     announce(averager.transport, head.round, head.state_hash, work=head.work, ready=ready)  # type: ignore[arg-type]
 
 
-def round_from_heads(averagers: list[Averager], *, offset: int = 0) -> tuple[list[RoundResult], list[Applied]]:
+def round_from_heads(averagers: list[Averager], *, offset: int = 0,
+                     attempts: int = 1) -> tuple[list[RoundResult], list[Applied]]:
     """One round for `averagers`, each from the head it holds (they must hold the same); peer i contributes
-    delta(i + offset), so rounds with different offsets reach different states."""
+    delta(i + offset), so rounds with different offsets reach different states. `attempts`: how many times a peer
+    looks for a group before giving up, as SwarmSync looks again after a look that formed none (the views go on
+    where they were, so a view that is longer than one look's deadline is still used in full)."""
     applied = [Applied() for _ in averagers]
 
     def one(i: int) -> RoundResult:
         head = averagers[i].head
         averagers[i].transport.update_record(ready=True)  # done with its budget, as SwarmSync marks itself
-        found = averagers[i].find_group(head.round, head.state_hash).result(timeout=10)
+        for attempt in range(attempts):
+            try:
+                found = averagers[i].find_group(head.round, head.state_hash).result(timeout=30)
+                break
+            except RoundAborted:
+                if attempt == attempts - 1:
+                    raise
         assert isinstance(found, Group), found
         return run(averagers[i], found, i + offset, applied[i])
 

@@ -80,7 +80,7 @@ def test_a_cheating_reducer_is_convicted_and_banned_and_the_swarm_goes_on(net: F
     assert all(not a.holds_new_state for _, a in out)  # nothing applied stayed applied
     assert all(bad in a.steps.banned and bad in a.matchmaker.banned for a in averagers[:3])
     # the next round: the three honest peers commit without it (it is refused as leader, member and contributor)
-    again, _ = round_from_heads(averagers[:3])
+    again, _ = round_from_heads(averagers[:3], attempts=3)
     assert all(r.outcome == Outcome.COMMITTED and bad not in r.members for r in again), [r.reason for r in again]
 
 
@@ -147,7 +147,9 @@ def test_a_member_that_stalls_costs_one_short_round_then_sits_out(net: FakeNetwo
     assert any(r.blame == staller and "too slow" in r.reason for r, _ in out[:3]), [r.reason for r, _ in out]
     leader = next(a for a, (r, _) in zip(averagers, out, strict=True) if r.role == "leader")
     assert staller in leader.steps.suspended  # type: ignore[union-attr]
-    again, _ = round_from_heads(averagers)
+    # Each look for a group gives up after 5 s, shorter than the views that follow a failed group: like a peer, look
+    # again (on a loaded machine the first look of view 2 may not see every ready record in time).
+    again, _ = round_from_heads(averagers, attempts=3)
     assert all(r.outcome == Outcome.COMMITTED for r in again[:3]), [r.reason for r in again]
 
 
