@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
-import os
 import secrets
 import shlex
 import sys
@@ -29,6 +28,7 @@ from typing import Any
 
 # Only light modules here: `swarmloco --help` and argument errors must not wait for uvicorn, fastapi or hivemind,
 # which run_coordinator and run_status import when they are needed.
+from swarmloco.coordinator.files import write_atomically
 from swarmloco.coordinator.revocation_cli import add_revocation_commands, run_revocation
 from swarmloco.protocol.base.text import bounded, short_hash
 from swarmloco.protocol.network.ports import port_taken
@@ -126,11 +126,7 @@ def generated_invite(path: Path) -> str:
     if code:
         return code
     code = secrets.token_urlsafe(18)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.unlink(missing_ok=True)
-    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-        f.write(code + "\n")
-    os.replace(tmp, path)
+    write_atomically(path, code + "\n", private=True)
     return code
 
 

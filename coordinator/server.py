@@ -38,6 +38,7 @@ import uvicorn
 
 from swarmloco.coordinator.app import create_app
 from swarmloco.coordinator.connections import ConnectionGuard, ConnectionLimits, guarded_protocol
+from swarmloco.coordinator.files import write_atomically
 from swarmloco.coordinator.service import CoordinatorService, ServiceConfig
 from swarmloco.coordinator.store import SQLiteStore
 from swarmloco.protocol.base.records import revocations_key
@@ -168,29 +169,22 @@ class CoordinatorServer:
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 
-    def info(self) -> dict[str, Any]:
+    def info(self, *, invite: str = "") -> dict[str, Any]:
+        """What the ready file says; `invite`: also the invite code, in the join command and on its own."""
         run_id = self.config.service.run_id
+        maddr = self.dht_maddrs[0] if self.dht_maddrs else None
         return {"url": self.url, "host": self.config.host, "port": self.port, "run_id": run_id,
                 "db": str(Path(self.config.db).resolve()), "pid": os.getpid(), "authority": self.identity.peer_id,
                 "admission": self.service.authority.mode, "dht_peer_id": self.dht_peer_id,
-                "dht_maddrs": self.dht_maddrs,
-                "join_command": join_command(self.dht_maddrs[0] if self.dht_maddrs else None, self.url, run_id)}
+                "dht_maddrs": self.dht_maddrs, "join_command": join_command(maddr, self.url, run_id, invite),
+                **({"invite": invite} if invite else {})}
 
     def _write_ready_file(self) -> None:
         if self.config.ready_file is None:
             return
-        path = Path(self.config.ready_file)
-        tmp = path.with_name(path.name + ".tmp")
-        info, invite = self.info(), self.config.local_invite
-        if invite:
-            info["invite"] = invite
-            info["join_command"] = join_command(self.dht_maddrs[0] if self.dht_maddrs else None, self.url,
-                                                info["run_id"], invite)
-        tmp.unlink(missing_ok=True)  # a fresh file gets the mode below; an old one would keep its own
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if invite else 0o666)
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(info, indent=2))
-        os.replace(tmp, path)
+        invite = self.config.local_invite
+        write_atomically(Path(self.config.ready_file), json.dumps(self.info(invite=invite), indent=2),
+                         private=bool(invite))
 
     def _wait_started(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
