@@ -91,15 +91,23 @@ def solve(run_id: str, peer_id: str, timestamp: float, bits: int, *, max_s: floa
     deadline = clock() + max_s
     counter = 0
     while True:
-        for n in range(counter, counter + _CHUNK):
-            h = prefix.copy()
-            h.update(b"%d" % n)
-            if h.digest() < target:
-                return str(n)
+        found = _scan(prefix, target, counter)
+        if found is not None:
+            return str(found)
         counter += _CHUNK
         if clock() >= deadline or (stop is not None and stop()):
             why = "was stopped" if clock() < deadline else f"found no proof within {max_s:g}s"
             raise PuzzleTimeout(f"the {bits}-bit admission puzzle {why} ({counter} hashes tried)", counter)
+
+
+def _scan(prefix: hashlib._Hash, target: bytes, start: int) -> int | None:
+    """The first counter in [start, start + _CHUNK) whose digest sorts below `target`, if any: the solver's loop."""
+    for n in range(start, start + _CHUNK):
+        h = prefix.copy()
+        h.update(b"%d" % n)
+        if h.digest() < target:
+            return n
+    return None
 
 
 def hash_rate(sample_s: float = 0.2, *, clock: Callable[[], float] = time.perf_counter) -> float:
@@ -108,11 +116,7 @@ def hash_rate(sample_s: float = 0.2, *, clock: Callable[[], float] = time.perf_c
     never = b"\x00" * 32  # no digest sorts below it: the loop does the solver's work without ever stopping early
     hashes, start = 0, clock()
     while True:
-        for n in range(hashes, hashes + _CHUNK):
-            h = prefix.copy()
-            h.update(b"%d" % n)
-            if h.digest() < never:
-                break
+        _scan(prefix, never, hashes)
         hashes += _CHUNK
         elapsed = clock() - start
         if elapsed >= sample_s:
