@@ -51,11 +51,7 @@ class AdoptionCheck:
 
     def loss(self, params: dict[str, torch.Tensor]) -> float:
         """The held-out loss of a global state, in a scratch model (the replica's own model is left alone)."""
-        task, device = self.replica.task, self.replica.device
-        scratch = task.model_factory().to(device)
-        with torch.no_grad():
-            for name, p in scratch.named_parameters():
-                p.copy_(params[name].to(p.device, p.dtype))
+        task, scratch = self.replica.task, self.replica.scratch_model(params)
         if self.batches is None:
             return task.evaluate(scratch)
         return mean_loss(scratch, self.batches, task.loss_fn)

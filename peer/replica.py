@@ -169,10 +169,15 @@ class Replica:
     def state_hash(self) -> str:
         return state_hash(self.global_params, self.momentum)
 
-    def evaluate_global(self) -> float:
-        """Eval loss of θ_r (not of the local replica): load it into a scratch copy of the model."""
+    def scratch_model(self, params: dict[str, torch.Tensor] | None = None) -> nn.Module:
+        """A fresh copy of the model holding `params` (default: θ_r), for evaluation; the replica's own model, with
+        its local progress, is left alone."""
         scratch = self.task.model_factory().to(self.device)
         with torch.no_grad():
             for name, p in scratch.named_parameters():
-                p.copy_(self.global_params[name].to(p.device, p.dtype))
-        return self.task.evaluate(scratch)
+                p.copy_((self.global_params if params is None else params)[name].to(p.device, p.dtype))
+        return scratch
+
+    def evaluate_global(self) -> float:
+        """Eval loss of θ_r (not of the local replica)."""
+        return self.task.evaluate(self.scratch_model())

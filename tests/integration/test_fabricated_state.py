@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from _hostile_nodes import announce as _announce
 from _hostile_nodes import fingerprint as _fingerprint
+from _hostile_nodes import key as _key
 from _hostile_nodes import node as _node
 from _hostile_nodes import serve as _serve
 from _hostile_nodes import ticket as _ticket
@@ -25,7 +26,6 @@ from swarm_harness import Swarm, assert_no_split
 from swarmloco.protocol.chain.state_sync import ServedState
 from swarmloco.protocol.network.node import SwarmNode
 from swarmloco.protocol.trust.certificates import Certificate, Statement
-from swarmloco.protocol.trust.identity import load_or_create_identity
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 HONEST = ["a", "b", "c"]
@@ -47,10 +47,10 @@ def _attack(swarm: Swarm, fingerprint: str, *, tag: str, signers: int, round_num
     """`signers` admitted identities certify a fabricated state at `round_number`; one of them claims and serves
     it (a signer needs no record of its own). Returns the serving node and the state's hash."""
     blob, state_hash = _fabricated(scale)
-    names = [f"{tag}-{i}" for i in range(signers)]
-    ids = sorted((load_or_create_identity(swarm.workdir / f"{n}.key") for n in names), key=lambda i: i.peer_id)
-    tickets = {n: _ticket(swarm, n) for n in names}
-    by_id = {load_or_create_identity(swarm.workdir / f"{n}.key").peer_id: n for n in names}
+    keys = {n: _key(swarm, n) for n in (f"{tag}-{i}" for i in range(signers))}
+    ids = sorted(keys.values(), key=lambda i: i.peer_id)
+    tickets = {n: _ticket(swarm, n) for n in keys}
+    by_id = {k.peer_id: n for n, k in keys.items()}
     statement = Statement(run_id=swarm.run_id, round=round_number, prev_hash=secrets.token_hex(32),
                           new_hash=state_hash, members=tuple(i.peer_id for i in ids),
                           weights=tuple(10**9 for _ in ids), swarm=signers, work=10**14 + round_number)
