@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
 from swarmloco.protocol.base.hooks import Hooks
+from swarmloco.protocol.base.outcome import Outcome
 from swarmloco.protocol.base.records import PROTOCOL_VERSION, PeerRecord
 from swarmloco.protocol.chain.state_sync import ServedState, StateServer
 from swarmloco.protocol.round.averager import Averager, Contribution, RoundResult
@@ -138,12 +139,14 @@ def publish(averager: Averager, server: StateServer, *, blob: bytes = b"", ready
     announce(averager.transport, head.round, head.state_hash, work=head.work, ready=ready)  # type: ignore[arg-type]
 
 
-def round_from_heads(averagers: list[Averager], *, offset: int = 0,
-                     attempts: int = 1) -> tuple[list[RoundResult], list[Applied]]:
+def round_from_heads(averagers: list[Averager], *, offset: int = 0, attempts: int = 1,
+                     may_miss: Collection[int] = ()) -> tuple[list[RoundResult], list[Applied]]:
     """One round for `averagers`, each from the head it holds (they must hold the same); peer i contributes
     delta(i + offset), so rounds with different offsets reach different states. `attempts`: how many times a peer
     looks for a group before giving up, as SwarmSync looks again after a look that formed none (the views go on
-    where they were, so a view that is longer than one look's deadline is still used in full)."""
+    where they were, so a view that is longer than one look's deadline is still used in full). `may_miss`: peers
+    that may find no group at all (one the others may rightly close without, such as a peer that stalled and is
+    ready again only after their group closed); such a peer's result is then a discarded round."""
     applied = [Applied() for _ in averagers]
 
     def one(i: int) -> RoundResult:
@@ -153,9 +156,13 @@ def round_from_heads(averagers: list[Averager], *, offset: int = 0,
             try:
                 found = averagers[i].find_group(head.round, head.state_hash).result(timeout=30)
                 break
-            except RoundAborted:
-                if attempt == attempts - 1:
+            except RoundAborted as e:
+                if attempt < attempts - 1:
+                    continue
+                if i not in may_miss:
                     raise
+                return RoundResult(outcome=Outcome.DISCARDED, round=head.round, leader="", role="member",
+                                   reason=f"no group: {e}")
         assert isinstance(found, Group), found
         return run(averagers[i], found, i + offset, applied[i])
 

@@ -148,9 +148,13 @@ def test_a_member_that_stalls_costs_one_short_round_then_sits_out(net: FakeNetwo
     leader = next(a for a, (r, _) in zip(averagers, out, strict=True) if r.role == "leader")
     assert staller in leader.steps.suspended  # type: ignore[union-attr]
     # Each look for a group gives up after 5 s, shorter than the views that follow a failed group: like a peer, look
-    # again (on a loaded machine the first look of view 2 may not see every ready record in time).
-    again, _ = round_from_heads(averagers, attempts=3)
-    assert all(r.outcome == Outcome.COMMITTED for r in again[:3]), [r.reason for r in again]
+    # again (on a loaded machine the first look of view 2 may not see every ready record in time). The peers gave up
+    # the failed round at different times (the staller last: it sat on its shard), and a group closes once a quorum
+    # of 3 is in and the grace is over, so one late peer may miss it, and rightly so: a quorum commits.
+    again, _ = round_from_heads(averagers, attempts=3, may_miss=range(4))
+    committed = [r for r in again if r.outcome == Outcome.COMMITTED]
+    assert len(committed) >= 3 and len({r.state_hash for r in committed}) == 1, \
+        [(r.outcome, r.leader, r.members, r.reason, r.excluded) for r in again]
 
 
 def test_a_leader_that_holds_its_group_costs_its_view_and_no_more(net: FakeNetwork) -> None:
