@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from swarmloco.protocol.base.records import MAX_VIEW, PeerRecord
@@ -37,6 +37,7 @@ from swarmloco.protocol.round.config import RoundConfig
 
 POLL_S = 0.25  # a leader re-reads the records this often while it waits for members (a join wakes it at once)
 DOUBLINGS = 3  # view lengths double this many times: base, 2×, 4×, then 8× for every later view
+MAX_TRACKED = 1024  # peers whose readiness time one peer remembers per state
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,24 @@ class Views:
     anchor: float
     floor: int = 0  # after a group of ours did not commit: one past its view
     current: int = 0  # the view we are in (never goes back)
+    etas: dict[str, float] = field(default_factory=dict)  # per peer: its earliest eta seen in its current readiness
+
+    def ready_since(self, here: Mapping[str, PeerRecord]) -> dict[str, float]:
+        """When each ready peer in `here` became ready, as far as we can tell: the earliest eta its record showed
+        since we last saw it busy. An honest peer's eta only changes when it is ready again after being busy; a
+        record that keeps pushing its eta later while it stays ready would otherwise slip in and out of the
+        candidates (and move the cutoff) with the moment each peer happens to read it, and the peers would pick
+        different leaders. Bounded: peers past `MAX_TRACKED` are taken at their word."""
+        since = {}
+        for peer, record in here.items():
+            if not record.ready:
+                self.etas.pop(peer, None)
+                continue
+            eta = min(self.etas.get(peer, record.eta), record.eta)
+            if peer in self.etas or len(self.etas) < MAX_TRACKED:
+                self.etas[peer] = eta
+            since[peer] = eta
+        return since
 
     def see(self, ready_etas: Collection[float], *, lookback_s: float) -> None:
         earliest = self.ready_at - lookback_s
@@ -131,8 +150,9 @@ class Views:
 def decide(*, me: str, views: Views, here: Mapping[str, PeerRecord], seed: str, schedule: ViewSchedule,
            now: float) -> Decision:
     """What to do now at our state. `here`: the credible, unbanned records of the other peers at our (round, hash).
-    Updates `views.current`; the rest of `views` is read only."""
+    Updates `views.current` and the readiness times `views.etas`; the rest of `views` is read only."""
     ready = {p: r for p, r in here.items() if r.ready and p != me}
+    since = views.ready_since({p: r for p, r in here.items() if p != me})
     view = max(schedule.at(now - views.anchor), views.floor, views.current)
     ahead = any(r.view > view for r in ready.values())
     if ahead and now - views.anchor >= schedule.start(view) + schedule.length(view) / 2:
@@ -140,9 +160,9 @@ def decide(*, me: str, views: Views, here: Mapping[str, PeerRecord], seed: str, 
     views.current = view
     began = views.anchor + schedule.start(view)
     ends_at = began + schedule.length(view)  # a view entered ahead of the schedule runs to its scheduled end
-    first = min([views.ready_at, *(r.eta for r in ready.values())])
+    first = min([views.ready_at, *since.values()])
     cutoff = max(began, first) + schedule.window_s
-    candidates = [p for p, r in ready.items() if r.eta <= cutoff]
+    candidates = [p for p, eta in since.items() if eta <= cutoff]
     if views.ready_at <= cutoff:
         candidates.append(me)
     leader = view_leader(seed, view, candidates)  # never empty: the first peer ready is always a candidate

@@ -7,7 +7,7 @@ from _records import H1, rec
 
 from swarmloco.protocol.base.records import MAX_VIEW
 from swarmloco.protocol.round.config import RoundConfig
-from swarmloco.protocol.round.schedule import DOUBLINGS, Action, Views, ViewSchedule, decide, view_leader
+from swarmloco.protocol.round.schedule import DOUBLINGS, Action, Views, ViewSchedule, decide, view_leader, view_rank
 
 SCHEDULE = ViewSchedule(base_s=2.0)
 PEERS = [f"peer-{i}" for i in range(4)]
@@ -131,3 +131,23 @@ def test_a_view_nobody_was_ready_for_goes_to_the_first_peer_ready_in_it() -> Non
     alone = decide(me=me, views=_views(ready_at=T0 + 8.0, anchor=T0), here={}, seed=H1, schedule=SCHEDULE,
                    now=T0 + 8.1)
     assert (alone.action, alone.leader) == (Action.LEAD, me)
+
+
+def test_a_record_that_pushes_its_eta_later_cannot_slip_out_of_a_views_candidates() -> None:
+    """A ready peer re-announcing with a later eta every poll (nothing honest does that: an honest eta changes only
+    when the peer is ready again after being busy). Were the latest eta taken, it would be a candidate for whoever
+    reads its record early in the view and not for whoever reads it late, and the peers would follow different
+    leaders. Its readiness counts from the earliest eta seen, until its record shows it busy."""
+    me, mover = sorted(PEERS[:2], key=lambda p: view_rank(H1, 0, p), reverse=True)  # the mover would lead
+    views = _views()
+    early = decide(me=me, views=views, here={mover: rec(ready=True, eta=T0 + 0.1)}, seed=H1, schedule=SCHEDULE,
+                   now=T0 + 0.2)
+    assert (early.action, early.leader) == (Action.JOIN, mover)
+    later = decide(me=me, views=views, here={mover: rec(ready=True, eta=T0 + 1.4)}, seed=H1, schedule=SCHEDULE,
+                   now=T0 + 1.5)
+    assert (later.view, later.leader) == (0, mover)  # still a candidate: one leader all view long
+    # busy, then ready again past the cutoff: a newcomer to the view, it joins instead of displacing the leader
+    decide(me=me, views=views, here={mover: rec(ready=False, eta=T0 + 1.4)}, seed=H1, schedule=SCHEDULE, now=T0 + 1.6)
+    again = decide(me=me, views=views, here={mover: rec(ready=True, eta=T0 + 1.7)}, seed=H1, schedule=SCHEDULE,
+                   now=T0 + 1.8)
+    assert (again.action, again.leader) == (Action.LEAD, me)
