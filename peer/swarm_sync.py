@@ -249,31 +249,33 @@ class SwarmSync:
         train_s, _ = loop.train_round(stop_early=self._stop_early)
         if loop.done():
             return
-        ready_at = time.monotonic()
-        self.node.update_record(ready=True, eta=time.time())
-        found = self.averager.find_group(r.round, self.state_hash)
-        while not found.done():  # keep the accelerator busy while the group forms
-            if loop.steps_exhausted():
-                found.cancel()
+        while True:
+            # A look that formed no group is followed by another at once, ready since the same moment (the matchmaker
+            # keeps our readiness time: Matchmaker._ready), not by another training budget.
+            ready_at = time.monotonic()
+            found = self.averager.find_group(r.round, self.state_hash)
+            while not found.done():  # keep the accelerator busy while the group forms
+                if loop.steps_exhausted():
+                    found.cancel()
+                    break
+                if self.cfg.run.train_while_waiting:
+                    loop.train_step()
+                else:
+                    concurrent.futures.wait([found], timeout=0.2)
+            entry: dict[str, Any] = {"round": r.round, "train_s": round_float(train_s),
+                                     "wait_s": round_float(time.monotonic() - ready_at)}
+            try:
+                outcome = found.result(timeout=0)
                 break
-            if self.cfg.run.train_while_waiting:
-                loop.train_step()
-            else:
-                concurrent.futures.wait([found], timeout=0.2)
-        entry: dict[str, Any] = {
-            "round": r.round,
-            "train_s": round_float(train_s),
-            "wait_s": round_float(time.monotonic() - ready_at),
-        }
-        try:
-            outcome = found.result(timeout=0)
-        except (concurrent.futures.CancelledError, concurrent.futures.TimeoutError):
-            self.node.update_record(ready=False)
-            return
-        except RoundAborted as exc:
-            self.node.update_record(ready=False)
-            self.log_round({**entry, "outcome": Outcome.DISCARDED, "reason": str(exc)})
-            return
+            except (concurrent.futures.CancelledError, concurrent.futures.TimeoutError):
+                self.node.update_record(ready=False)
+                return
+            except RoundAborted as exc:
+                self.log_round({**entry, "outcome": Outcome.DISCARDED, "reason": str(exc)})
+                if loop.done() or loop.steps_exhausted():
+                    self.node.update_record(ready=False)
+                    return
+                train_s = 0.0
         if isinstance(outcome, Behind):
             self.node.update_record(ready=False)
             self.log_round({**entry, "outcome": Outcome.BEHIND, "target_round": outcome.round})

@@ -135,17 +135,23 @@ class Matchmaker:
             raise
 
     def _ready(self, round_number: int, state_hash: str) -> Views:
-        """Say we are ready, and find our place in the views of this state (kept across attempts at it)."""
+        """Say we are ready, and find our place in the views of this state (kept across attempts at it).
+
+        Our readiness time (the `eta` our record shows) is kept across looks that formed no group: we were
+        waiting for a group all along, whether alone or held by a leader that never closed. It moves only after a
+        group of ours at this state failed, when we were busy in its exchange. Were it to move with every look, a
+        peer that holds its members until its view ends would be the only peer ready by the next view's cutoff,
+        and would lead that one too."""
         now = time.time()
         views = self.views
         if views is None or (views.round, views.state_hash) != (round_number, state_hash):
             views = self.views = Views(round=round_number, state_hash=state_hash, ready_at=now, anchor=now)
-        else:
-            views.ready_again(now)
-        if self._formed is not None and self._formed[:2] == (round_number, state_hash):
+        if self._formed is not None and self._formed[:2] == (round_number, state_hash) and \
+                self._formed[2] + 1 > views.floor:
             # We were in a group at this state and are still here: it did not commit. Not that view again.
-            views.floor = max(views.floor, self._formed[2] + 1)
-        self.transport.update_record(ready=True, eta=now, view=max(views.current, views.floor))
+            views.floor = self._formed[2] + 1
+            views.ready_again(now)
+        self.transport.update_record(ready=True, eta=views.ready_at, view=max(views.current, views.floor))
         return views
 
     async def _lead(self, round_number: int, decision: Decision, active: set[str],

@@ -143,7 +143,8 @@ class Views:
         self.anchor = min([self.anchor, *(e for e in ready_etas if e >= earliest)])
 
     def ready_again(self, now: float) -> None:
-        """A new attempt at the same state: our readiness moves, the anchor stays."""
+        """Ready again after a group of ours at this state failed (we were busy in its exchange): our readiness
+        moves, the anchor stays."""
         self.ready_at = now
 
 

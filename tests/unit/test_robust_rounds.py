@@ -6,6 +6,7 @@ Each defence has its control: the plain mean lets the poison through, and the ch
 name the cheater (take one out and the test fails)."""
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -24,6 +25,7 @@ from _fake_rounds import (
 
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
 from swarmloco.protocol.base.outcome import Outcome
+from swarmloco.protocol.round.groups import RoundAborted
 from swarmloco.protocol.round.pipes import Pipe
 from swarmloco.protocol.round.schedule import view_leader
 from swarmloco.protocol.testing.fake import FakeNetwork
@@ -172,3 +174,25 @@ def test_a_leader_that_holds_its_group_costs_its_view_and_no_more(net: FakeNetwo
     assert {a.matchmaker.views.current for a in averagers} == {1}  # type: ignore[union-attr]
     assert {r.leader for r in results} == {view_leader(H0, 1, [*ids, transport.peer_id])}
     assert ("lead", "hold", 0) in holder.hooks.fired  # type: ignore[attr-defined]
+
+
+def test_a_look_that_forms_no_group_keeps_the_peers_readiness_time(net: FakeNetwork) -> None:
+    """A peer held by a leader that never closes comes back when that view ends, after the next view's cutoff. Were
+    its readiness to move with each look, the holder (ready all along) would be the only candidate of the next view
+    and lead it too. The readiness time moves only after a group of ours failed (we were busy in its exchange)."""
+    (alone,) = peers(net, 1, quorum=2, round_timeout_s=1)
+    me = alone.transport.peer_id
+
+    def look() -> float:
+        with pytest.raises(RoundAborted):
+            alone.find_group(0, H0).result(timeout=10)
+        return net.records[me].eta
+
+    first = look()
+    time.sleep(0.05)
+    assert look() == first  # waiting all along: ready since the first look
+    assert alone.matchmaker is not None
+    alone.matchmaker._formed = (0, H0, 0)  # a group of ours at this state formed in view 0 and did not commit
+    moved = look()
+    assert moved > first and alone.matchmaker.views.floor == 1  # type: ignore[union-attr]
+    assert look() == moved
