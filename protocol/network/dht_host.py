@@ -22,6 +22,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 logger = logging.getLogger(__name__)
+HANDLERS_TIMEOUT_S = 1.0  # for unregistering the DHT's RPC handlers with a daemon that is about to stop
 
 
 class LocalDHT:
@@ -91,7 +92,16 @@ class LocalDHT:
         if self._closed:
             return
         self._closed = True
-        await self.node.shutdown()
+        # hivemind's DHTNode.shutdown first unregisters the DHT's RPC handlers one by one with the daemon, which
+        # can hang for the caller's whole timeout (15 s per peer exit, measured); the daemon is about to stop, so
+        # that is bounded, then the node and its p2pd are stopped regardless.
+        self.node.is_alive = False
+        try:
+            await asyncio.wait_for(self.node.protocol.shutdown(), HANDLERS_TIMEOUT_S)
+        except Exception as exc:  # a timeout included: best effort, the daemon's end removes them too
+            logger.debug("removing the DHT's handlers: %r", exc)
+        if getattr(self.node, "_should_shutdown_p2p", True):  # the node started this daemon (hivemind 1.1)
+            await self.node.p2p.shutdown()
 
     def shutdown(self) -> None:
         """Stop the node from another thread if the loop still runs (a dead loop already took the node with it, and
