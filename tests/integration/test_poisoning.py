@@ -1,9 +1,9 @@
 """Poisoned contributions and cheating reducers against real honest peers: one hostile peer of four, built from
 the project's own code (a `SWARMLOCO_FAULTS` fault injector), admitted like the others.
 
-- Δ × −1000 and a random Δ 1000× as long, each claiming 1000× the tokens, every round: with the robust aggregator
-  the honest peers' final eval loss stays within 5% of a clean run of the same settings; with the plain mean (the
-  control) it does not.
+- Δ × −1000, claiming 1000× the tokens, every round: with the robust aggregator the honest peers' final eval loss
+  stays within 5% of a clean run of the same settings; with the plain mean (the control) it does not. (A random Δ
+  1000× as long is dropped by the same rule: tests/unit/test_robust_rounds.py.)
 - A reducer that signs and sends −(its true shard): no round with its result is certified, the honest peers ban
   it, and later rounds commit without it. (Noise 1000× as long, and different shards for different members, are
   covered with the same one in tests/unit/test_robust_rounds.py, on the in-memory transport.)
@@ -69,10 +69,10 @@ def clean(tmp_path_factory: pytest.TempPathFactory, peer_zygote: Any) -> float:
         s.assert_nothing_left()
 
 
-@pytest.mark.parametrize("attack", ["negate1000", "random1000"])
-def test_robust_aggregation_keeps_the_model_within_5_percent_of_a_clean_run(swarm: Swarm, clean: float,
-                                                                            attack: str) -> None:
-    run = _run(swarm, faults=f"contribute={attack}@*")
+def test_robust_aggregation_keeps_the_model_within_5_percent_of_a_clean_run(swarm: Swarm, clean: float) -> None:
+    """One real-process case (Δ × −1000 with 1000× the tokens); the random 1000× Δ is covered with it on the
+    in-memory transport (tests/unit/test_robust_rounds.py), where the same rule drops both."""
+    run = _run(swarm, faults="contribute=negate1000@*")
     assert all(c == 0 for c in run["codes"].values()), swarm.tails()
     assert _all_rounds(run), swarm.tails()
     loss = _loss(run)
