@@ -11,6 +11,7 @@ Subcommands (each prints a markdown table of ratios measured side by side in one
   scale        round overhead (matchmaking, exchange, commit) and memory per peer for 2 .. 32 local peers
   goodput      tokens merged per second with churn-30s vs without, default quorum and lock-step
   views        the view schedule simulated (the real decision, a virtual clock): views until a majority group
+  scores       contribution scores: the loss decrease g·Δ of honest pseudo-gradients vs a zero, random or negated Δ
   cli          seconds until the console script answers --help or a mistyped flag (target: under 0.5 s)
 The logic lives in scripts/bench_<name>.py; `--quick` shrinks every size for the smoke test (`make bench-smoke`).
 """
@@ -35,6 +36,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "robust": ("scripts.bench_robust", "what robust aggregation and the audit cost per round (with vs without)"),
     "goodput": ("scripts.bench_goodput", "goodput under churn vs steady, default quorum and lock-step (4 peers)"),
     "views": ("scripts.bench_views", "the view schedule simulated: views until a majority group, 4 .. 1,000 peers"),
+    "scores": ("scripts.bench_scores", "contribution scores: g·Δ of honest Δs vs a free rider's zero/random Δ"),
     "cli": ("scripts.bench_cli", "seconds until `swarmloco --help`, a command's --help or a flag error answers"),
 }
 

@@ -169,3 +169,13 @@ def test_views_quick(tmp_path: Path) -> None:
     assert all(c["formed"] == c["trials"] for c in cells), cells  # 10 views is ample for every cell
     calm = [c for c in cells if c["stalling_leaders"] == 0 and c["records_seen"] == 1]
     assert all(c["views_mean"] == 1 for c in calm), calm  # nobody stalls, everyone sees all: the first view closes
+
+
+@pytest.mark.timeout(150)
+def test_scores_quick(tmp_path: Path) -> None:
+    out, data = run_bench(["scores"], tmp_path, 140)
+    assert "honest z (min)" in out
+    cells = data["cells"]
+    assert len(cells) == 2 and all(c["z_zero"] == 0 for c in cells)
+    # even after 5 inner steps an honest Δ lowers the probe loss far beyond what chance gives a random Δ
+    assert all(c["z_honest_min"] > 8 and abs(c["z_random"]) < 5 and c["z_negated"] < -8 for c in cells), cells
