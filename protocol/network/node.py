@@ -173,6 +173,9 @@ class SwarmNode:
         else:
             self.loop.call_soon_threadsafe(self._apply_record, changes)
 
+    def own_record(self) -> PeerRecord | None:
+        return self._record
+
     def _on_loop(self) -> bool:
         return threading.current_thread() is self._thread
 

@@ -55,6 +55,10 @@ class Transport(Protocol):
         """Change fields of this peer's record (all fields, the first time) and publish it; thread-safe."""
         ...
 
+    def own_record(self) -> PeerRecord | None:
+        """This peer's record with every change made so far (None before the first); read on the loop thread."""
+        ...
+
     def data_plane_hosts(self) -> tuple[str, list[str]] | None:
         """(bind host, advertised hosts) for the direct TCP data plane, or None when it is off."""
         ...

@@ -138,14 +138,18 @@ class Matchmaker:
         """Say we are ready, and find our place in the views of this state (kept across attempts at it).
 
         Our readiness time (the `eta` our record shows) is kept across looks that formed no group: we were
-        waiting for a group all along, whether alone or held by a leader that never closed. It moves only after a
-        group of ours at this state failed, when we were busy in its exchange. Were it to move with every look, a
-        peer that holds its members until its view ends would be the only peer ready by the next view's cutoff,
-        and would lead that one too."""
+        waiting for a group all along, whether alone or held by a leader that never closed. It moves only after we
+        were busy since the last look (our record said so: in the exchange of a group of ours that failed, or
+        training after a state we could not adopt). Were it to move with every look, a peer that holds its members
+        until its view ends would be the only peer ready by the next view's cutoff, and would lead that one too."""
         now = time.time()
         views = self.views
+        own = self.transport.own_record()
+        busy = own is not None and not own.ready
         if views is None or (views.round, views.state_hash) != (round_number, state_hash):
             views = self.views = Views(round=round_number, state_hash=state_hash, ready_at=now, anchor=now)
+        elif busy:
+            views.ready_again(now)
         if self._formed is not None and self._formed[:2] == (round_number, state_hash) and \
                 self._formed[2] + 1 > views.floor:
             # We were in a group at this state and are still here: it did not commit. Not that view again.

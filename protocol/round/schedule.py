@@ -143,8 +143,8 @@ class Views:
         self.anchor = min([self.anchor, *(e for e in ready_etas if e >= earliest)])
 
     def ready_again(self, now: float) -> None:
-        """Ready again after a group of ours at this state failed (we were busy in its exchange): our readiness
-        moves, the anchor stays."""
+        """Ready again after being busy at the same state (in the exchange of a group of ours that failed, or
+        training): our readiness moves, the anchor stays."""
         self.ready_at = now
 
 

@@ -177,5 +177,8 @@ class FakeTransport:
         else:
             self.loop.call_soon_threadsafe(apply)
 
+    def own_record(self) -> PeerRecord | None:
+        return self.net.records.get(self._peer_id)
+
     def data_plane_hosts(self) -> tuple[str, list[str]] | None:
         return None

@@ -179,7 +179,8 @@ def test_a_leader_that_holds_its_group_costs_its_view_and_no_more(net: FakeNetwo
 def test_a_look_that_forms_no_group_keeps_the_peers_readiness_time(net: FakeNetwork) -> None:
     """A peer held by a leader that never closes comes back when that view ends, after the next view's cutoff. Were
     its readiness to move with each look, the holder (ready all along) would be the only candidate of the next view
-    and lead it too. The readiness time moves only after a group of ours failed (we were busy in its exchange)."""
+    and lead it too. The readiness time moves only after the peer was busy: in the exchange of a group of its own
+    that failed, or whatever its record said it was busy with."""
     (alone,) = peers(net, 1, quorum=2, round_timeout_s=1)
     me = alone.transport.peer_id
 
@@ -196,3 +197,7 @@ def test_a_look_that_forms_no_group_keeps_the_peers_readiness_time(net: FakeNetw
     moved = look()
     assert moved > first and alone.matchmaker.views.floor == 1  # type: ignore[union-attr]
     assert look() == moved
+    alone.transport.update_record(ready=False)  # busy at the same state (say, training after a refused state)
+    time.sleep(0.05)
+    again = look()
+    assert again > moved and look() == again
