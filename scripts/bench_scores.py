@@ -45,7 +45,9 @@ def _replicas() -> list[Any]:
 
 
 def _flat(tensors: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
-    return torch.cat([tensors[n].detach().reshape(-1).float().cpu() for n in names])
+    from swarmloco.peer.swarm_state import flatten
+
+    return flatten(tensors, names).cpu()  # the random and zero Δs below are made on the CPU
 
 
 def _probe_gradient(replica: Any, seed: int) -> tuple[torch.Tensor, float]:

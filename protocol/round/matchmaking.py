@@ -145,16 +145,13 @@ class Matchmaker:
         now = time.time()
         views = self.views
         own = self.transport.own_record()
-        busy = own is not None and not own.ready
         if views is None or (views.round, views.state_hash) != (round_number, state_hash):
             views = self.views = Views(round=round_number, state_hash=state_hash, ready_at=now, anchor=now)
-        elif busy:
+        elif own is not None and not own.ready:  # busy since the last look (a closed group marks us so)
             views.ready_again(now)
-        if self._formed is not None and self._formed[:2] == (round_number, state_hash) and \
-                self._formed[2] + 1 > views.floor:
+        if self._formed is not None and self._formed[:2] == (round_number, state_hash):
             # We were in a group at this state and are still here: it did not commit. Not that view again.
-            views.floor = self._formed[2] + 1
-            views.ready_again(now)
+            views.floor = max(views.floor, self._formed[2] + 1)
         self.transport.update_record(ready=True, eta=views.ready_at, view=max(views.current, views.floor))
         return views
 

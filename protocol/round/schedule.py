@@ -152,10 +152,9 @@ def decide(*, me: str, views: Views, here: Mapping[str, PeerRecord], seed: str, 
            now: float) -> Decision:
     """What to do now at our state. `here`: the credible, unbanned records of the other peers at our (round, hash).
     Updates `views.current` and the readiness times `views.etas`; the rest of `views` is read only."""
-    ready = {p: r for p, r in here.items() if r.ready and p != me}
-    since = views.ready_since({p: r for p, r in here.items() if p != me})
+    since = views.ready_since({p: r for p, r in here.items() if p != me})  # the ready peers other than us
     view = max(schedule.at(now - views.anchor), views.floor, views.current)
-    ahead = any(r.view > view for r in ready.values())
+    ahead = any(here[p].view > view for p in since)
     if ahead and now - views.anchor >= schedule.start(view) + schedule.length(view) / 2:
         view = min(MAX_VIEW, view + 1)
     views.current = view

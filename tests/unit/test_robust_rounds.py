@@ -193,7 +193,9 @@ def test_a_look_that_forms_no_group_keeps_the_peers_readiness_time(net: FakeNetw
     time.sleep(0.05)
     assert look() == first  # waiting all along: ready since the first look
     assert alone.matchmaker is not None
-    alone.matchmaker._formed = (0, H0, 0)  # a group of ours at this state formed in view 0 and did not commit
+    # a group of ours at this state formed in view 0 (closing it marked us busy) and did not commit
+    alone.matchmaker._formed = (0, H0, 0)
+    alone.transport.update_record(ready=False)
     moved = look()
     assert moved > first and alone.matchmaker.views.floor == 1  # type: ignore[union-attr]
     assert look() == moved
