@@ -21,6 +21,7 @@ import torch
 
 from swarmloco.peer.adoption import AdoptionCheck, Verdict
 from swarmloco.peer.config import PeerConfig
+from swarmloco.peer.credit_probe import credit_probe
 from swarmloco.peer.progress import finite_or_none, round_float
 from swarmloco.peer.replica import Replica
 from swarmloco.peer.round_reports import RoundReports
@@ -95,7 +96,7 @@ class SwarmSync:
         self.node.start()
         creds, gate = self.admission.credentials, self.admission.gate
         self.averager = Averager(self.node, self.cfg.round, self.model, credentials=creds, gate=gate,
-                                 genesis_hash=self.genesis, hooks=self.hooks)
+                                 genesis_hash=self.genesis, hooks=self.hooks, probe=credit_probe(r))
         self.averager.start()  # first: the state server shares its data plane
         self.server = StateServer(self.node, self.model.fingerprint, gate=gate, credentials=creds,
                                   data_plane=self.averager.data_plane,

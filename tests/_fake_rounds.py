@@ -24,27 +24,29 @@ from swarmloco.protocol.trust.certificates import Head
 H0 = "0" * 64  # θ_0 of the fake run
 NUMEL = 1000  # several quantisation blocks, not a whole number of them: shards of unequal size
 MODEL = LocalModel(fingerprint="fp", config={"numel": NUMEL}, numel=NUMEL)
+Probe = Callable[[bytes], torch.Tensor]  # the credit probe: audit seed -> g
 FAST = dict(
     grace_min_s=0.0, grace_max_s=0.2, round_timeout_s=5, exchange_timeout_s=1, control_timeout_s=1, codec="fp32"
 )
 
 
 def averager_for(transport: FakeTransport, *, quorum: int, hooks: Hooks | None = None,
-                 gate: Gate | None = None, model: LocalModel = MODEL, **cfg: object) -> Averager:
+                 gate: Gate | None = None, model: LocalModel = MODEL, probe: Probe | None = None,
+                 **cfg: object) -> Averager:
     settings = {**FAST, **cfg}
     averager = Averager(transport, RoundConfig(quorum=quorum, **settings), model,  # type: ignore[arg-type]
                         credentials=transport.credentials, gate=gate or Gate(transport.run_id, None),
-                        genesis_hash=H0, hooks=hooks)
+                        genesis_hash=H0, hooks=hooks, probe=probe)
     averager.start()
     averager.set_state(Head(0, H0))
     return averager
 
 
 def peers(net: FakeNetwork, n: int, *, quorum: int, hooks: dict[int, Hooks] | None = None,
-          **cfg: object) -> list[Averager]:
+          probe: Probe | None = None, **cfg: object) -> list[Averager]:
     out = []
     for i in range(n):
-        averager = averager_for(net.peer(), quorum=quorum, hooks=(hooks or {}).get(i), **cfg)
+        averager = averager_for(net.peer(), quorum=quorum, hooks=(hooks or {}).get(i), probe=probe, **cfg)
         announce(averager.transport)  # type: ignore[arg-type]
         out.append(averager)
     return out

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -34,6 +34,7 @@ from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
 from swarmloco.protocol.base.codecs import Codec, CodecError
 from swarmloco.protocol.base.text import bounded, short_id
 from swarmloco.protocol.base.wire import WireError, frame_bytes
+from swarmloco.protocol.round.credit import clip_scales, gradient_dot_matches, gradient_dots
 from swarmloco.protocol.round.groups import RoundAborted
 from swarmloco.protocol.round.pipes import Pipe
 from swarmloco.protocol.round.plans import Plan
@@ -75,6 +76,8 @@ class AuditCase:
     own: Sequence[torch.Tensor]  # our part of every shard, as its reducer decoded it
     parts: Mapping[str, torch.Tensor]  # the parts of our shard we hold, by contributor
     part_frames: Mapping[str, tuple[pb.ShardPart, bytearray]] = field(default_factory=dict)  # signed headers + bytes
+    # The loss gradient at θ_r on a probe batch drawn from the audit's seed, flat like Δ (None: no credit scores)
+    probe: Callable[[bytes], torch.Tensor] | None = None
 
 
 @dataclass
@@ -83,6 +86,7 @@ class Findings:
     failed: set[int] = field(default_factory=set)  # shards that failed their check
     sent: int = 0  # bytes the audit's frames took, each way
     received: int = 0
+    scores: dict[str, float] | None = None  # settled contributor -> first-order loss decrease of its merged Δ
 
     def convict(self, peer: str, why: str) -> None:
         self.cheaters.setdefault(peer, bounded(why))
@@ -115,19 +119,21 @@ async def audit(case: AuditCase, pipes: dict[str, Pipe], *, timeout: float) -> F
         return found
     seed = hashlib.sha256(case.plan_id + b"".join(nonces[p] for p in plan.members)).digest()
 
-    def sketch_all() -> tuple[list[list[float]], list[list[float]], dict[str, list[float]]]:
+    def sketch_all() -> tuple[list[list[float]], list[list[float]], dict[str, list[float]], _Gradient | None]:
+        grad = _Gradient.of(case, seed)
         own, results, held = [], [], {}
         for j in range(len(plan.members)):
             theirs = case.average[plan.shard(j)]
             extra = [case.parts[p] for p in case.settled if p != me] if j == case.k else []
-            out = sketches(seed, j, case.probes, [case.own[j], theirs, *extra])
+            out = _sketch(seed, j, case.probes, grad, [case.own[j], theirs, *extra])
             own.append(out[0])
             results.append(out[1])
             if j == case.k:
                 held = dict(zip([p for p in case.settled if p != me], out[2:], strict=True))
-        return own, results, held
+        return own, results, held, grad
 
-    own, result_sketches, held = await loop.run_in_executor(None, sketch_all)
+    own, result_sketches, held, grad = await loop.run_in_executor(None, sketch_all)
+    width = q + (grad is not None)  # values per shard: the random probes, then <g_j, part> when scoring
     mine = pb.AuditSketch(round=plan.round, sketches=[s for shard in own for s in shard])
     mine.signature = sign(case.identity, sketch_body(case.run_id, case.plan_id, me, mine))
     received = await _everyone(case, found, pipes, others, mine, pb.AuditSketch, 0, timeout)
@@ -136,12 +142,12 @@ async def audit(case: AuditCase, pipes: dict[str, Pipe], *, timeout: float) -> F
         values = list(msg.sketches)
         # (an excluded member's Δ, e.g. a NaN one, is in no shard: its sketches are never used)
         finite = peer not in case.settled or all(math.isfinite(v) for v in values)
-        if msg.round != plan.round or len(values) != n * q or not finite or \
+        if msg.round != plan.round or len(values) != n * width or not finite or \
                 not signed(peer, sketch_body(case.run_id, case.plan_id, peer, msg), msg.signature):
             raise RoundAborted(f"{short_id(peer)} sent a malformed or unsigned audit sketch", blame=peer)
-        theirs[peer] = [values[j * q:(j + 1) * q] for j in range(n)]
+        theirs[peer] = [values[j * width:(j + 1) * width] for j in range(n)]
 
-    verdict, evidence = _our_verdict(case, theirs, held)
+    verdict, evidence = _our_verdict(case, theirs, held, grad)
     verdict.signature = sign(case.identity, verdict_body(case.run_id, case.plan_id, me, verdict))
     if verdict.accused:
         found.convict(verdict.accused, f"its audit sketch of shard {case.k} does not match the part it signed")
@@ -152,7 +158,7 @@ async def audit(case: AuditCase, pipes: dict[str, Pipe], *, timeout: float) -> F
                 not signed(reducer, verdict_body(case.run_id, case.plan_id, reducer, v), v.signature):
             raise RoundAborted(f"{short_id(reducer)} sent a malformed or unsigned audit verdict", blame=reducer)
         if v.accused:
-            liar = await loop.run_in_executor(None, _judge, case, seed, j, reducer, v, bytes(body), theirs)
+            liar = await loop.run_in_executor(None, _judge, case, seed, grad, j, reducer, v, bytes(body), theirs)
             found.convict(liar, f"audit of shard {j}: " + (
                 "its sketch does not match the part it signed" if liar == v.accused else
                 f"it accused {short_id(v.accused)} without evidence"))
@@ -162,28 +168,80 @@ async def audit(case: AuditCase, pipes: dict[str, Pipe], *, timeout: float) -> F
             continue
         header = case.results[j]
         members = list(header.members)
-        if not combination_ok(result_sketches[j], list(header.coeffs), [theirs[p][j] for p in members],
+        if not combination_ok(result_sketches[j][:q], list(header.coeffs), [theirs[p][j][:q] for p in members],
                               list(header.norms), case.rounding[j]):
             found.failed.add(j)
             found.convict(reducer, f"shard {j} is not the combination of the parts it signed")
+    if grad is not None and not found.cheaters:
+        found.scores = _scores(case, theirs, q)
     return found
 
 
-def _our_verdict(case: AuditCase, theirs: dict[str, list[list[float]]],
-                 held: dict[str, list[float]]) -> tuple[pb.AuditVerdict, bytes | bytearray]:
+@dataclass(frozen=True)
+class _Gradient:
+    """Our copy of the round's probe gradient g, cut into the plan's shards, and the norm of each shard of it."""
+
+    shards: tuple[torch.Tensor, ...]
+    norms: tuple[float, ...]
+
+    @classmethod
+    def of(cls, case: AuditCase, seed: bytes) -> _Gradient | None:
+        if case.probe is None:
+            return None
+        g = case.probe(seed).reshape(-1).to(torch.float32)
+        if g.numel() != case.plan.numel or not bool(torch.isfinite(g).all()):
+            # every member must send <g_j, part> for every shard; without a usable g we cannot take part
+            raise RoundAborted(f"our credit probe gave {g.numel()} values (finite: {bool(torch.isfinite(g).all())})"
+                               f" for a model of {case.plan.numel}")
+        shards = tuple(g[case.plan.shard(j)] for j in range(len(case.plan.members)))
+        return cls(shards, tuple(norm(shard) for shard in shards))
+
+
+def _sketch(seed: bytes, j: int, probes: int, grad: _Gradient | None,
+            tensors: list[torch.Tensor]) -> list[list[float]]:
+    """Each tensor's values for shard j: the random probes, then <g_j, x> when the round scores contributions."""
+    out = sketches(seed, j, probes, tensors)
+    if grad is not None:
+        for values, dot in zip(out, gradient_dots(grad.shards[j], tensors), strict=True):
+            values.append(dot)
+    return out
+
+
+def _part_matches(claimed: list[float], ours: list[float], part: torch.Tensor, j: int, probes: int,
+                  grad: _Gradient | None) -> bool:
+    """A contributor's signed sketch of its part of shard j against ours of the part it signed."""
+    scale = norm(part) * math.sqrt(max(part.numel(), 1))
+    if not sketch_matches(claimed[:probes], ours[:probes], scale):
+        return False
+    return grad is None or gradient_dot_matches(claimed[probes], ours[probes], g_norm=grad.norms[j],
+                                                part_norm=norm(part), size=part.numel())
+
+
+def _scores(case: AuditCase, theirs: dict[str, list[list[float]]], q: int) -> dict[str, float]:
+    """Each settled contributor's Σ_j clip_ij · <g_j, part_ij>, from the signed headers and sketches every member
+    holds alike (shard order, then header order: the same float additions everywhere)."""
+    scores: dict[str, float] = {}
+    for j in range(len(case.plan.members)):
+        header = case.results[j]
+        scales = clip_scales(list(header.norms), list(header.coeffs), header.tau)
+        for peer, scale in zip(header.members, scales, strict=True):
+            scores[peer] = scores.get(peer, 0.0) + scale * theirs[peer][j][q]
+    return scores
+
+
+def _our_verdict(case: AuditCase, theirs: dict[str, list[list[float]]], held: dict[str, list[float]],
+                 grad: _Gradient | None) -> tuple[pb.AuditVerdict, bytes | bytearray]:
     verdict = pb.AuditVerdict(round=case.plan.round, shard=case.k)
-    size = case.plan.shard(case.k).stop - case.plan.shard(case.k).start
     for peer, ours in held.items():
-        scale = norm(case.parts[peer]) * math.sqrt(max(size, 1))
-        if not sketch_matches(theirs[peer][case.k], ours, scale):
+        if not _part_matches(theirs[peer][case.k], ours, case.parts[peer], case.k, case.probes, grad):
             header, payload = case.part_frames[peer]
             verdict.accused, verdict.part_digest, verdict.part_signature = peer, header.digest, header.signature
             return verdict, payload
     return verdict, b""
 
 
-def _judge(case: AuditCase, seed: bytes, j: int, reducer: str, v: pb.AuditVerdict, body: bytes,
-           theirs: dict[str, list[list[float]]]) -> str:
+def _judge(case: AuditCase, seed: bytes, grad: _Gradient | None, j: int, reducer: str, v: pb.AuditVerdict,
+           body: bytes, theirs: dict[str, list[list[float]]]) -> str:
     """Who lied, given reducer j's accusation: the accused when its signed part contradicts its sketch, else the
     reducer (an accusation without valid evidence is itself signed)."""
     accused = v.accused
@@ -200,9 +258,8 @@ def _judge(case: AuditCase, seed: bytes, j: int, reducer: str, v: pb.AuditVerdic
         part = case.codec.decode(bytearray(body), size)
     except CodecError:
         return accused  # it signed bytes that do not decode: its part was never valid
-    ours = sketches(seed, j, case.probes, [part])[0]
-    scale = norm(part) * math.sqrt(max(size, 1))
-    return reducer if sketch_matches(theirs[accused][j], ours, scale) else accused
+    ours = _sketch(seed, j, case.probes, grad, [part])[0]
+    return reducer if _part_matches(theirs[accused][j], ours, part, j, case.probes, grad) else accused
 
 
 async def _everyone(case: AuditCase, found: Findings, pipes: dict[str, Pipe], others: list[str], message: Message,

@@ -38,6 +38,7 @@ from swarmloco.protocol.chain.forks import Behind
 from swarmloco.protocol.network.data_plane import DataPlane
 from swarmloco.protocol.network.transport import Transport
 from swarmloco.protocol.round.config import Deadlines, LocalModel, RoundConfig
+from swarmloco.protocol.round.credit import round_credit
 from swarmloco.protocol.round.groups import Group, RoundAborted
 from swarmloco.protocol.round.matchmaking import Matchmaker
 from swarmloco.protocol.round.pipes import ShardRouter
@@ -86,8 +87,10 @@ class Averager:
     exchange and the certified chain it is on."""
 
     def __init__(self, transport: Transport, cfg: RoundConfig, model: LocalModel, *, credentials: Credentials,
-                 gate: Gate, genesis_hash: str, hooks: Hooks | None = None) -> None:
+                 gate: Gate, genesis_hash: str, hooks: Hooks | None = None,
+                 probe: Callable[[bytes], torch.Tensor] | None = None) -> None:
         self.transport, self.cfg, self.model = transport, cfg, model
+        self.probe = probe  # the credit probe: g at θ_r on a batch drawn by the seed (None: credit unscored)
         self.credentials, self.gate = credentials, gate
         self.hooks = hooks or Hooks()
         self.codec = get_codec(cfg.codec)
@@ -110,7 +113,8 @@ class Averager:
                              control_timeout=self.cfg.control_timeout_s, identity=self.credentials.identity)
         await router.register()
         self.steps = RoundSteps(self.transport, self.cfg, self.model, chain=self.chain, credentials=self.credentials,
-                                codec=self.codec, router=router, hooks=self.hooks, use_tcp=hosts is not None)
+                                codec=self.codec, router=router, hooks=self.hooks, use_tcp=hosts is not None,
+                                probe=self.probe)
         self.matchmaker = Matchmaker(self.transport, self.cfg, self.model, chain=self.chain, gate=self.gate,
                                      credentials=self.credentials, hooks=self.hooks)
         await self.matchmaker.register()
@@ -168,9 +172,11 @@ class Averager:
             applied = True
             weight = dict(zip(plan.members, plan.weights, strict=True))
             weights = tuple(weight[p] for p in reduced.members)
+            credit = round_credit(plan, reduced.members, weights, reduced.scores, self.cfg)
             statement = Statement(run_id=self.transport.run_id, round=plan.round + 1, prev_hash=plan.prev_hash,
                                   new_hash=apply(reduced.average), members=reduced.members, weights=weights,
-                                  swarm=plan.swarm, work=prev.work + sum(weights))
+                                  swarm=plan.swarm, work=prev.work + sum(weights if credit is None else credit),
+                                  credit=credit)
             certify_started = time.monotonic()
             certificate, reason = self.transport.call(steps.certify(group, plan, statement),
                                                       timeout=d.transfer + 4 * d.control)

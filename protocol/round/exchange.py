@@ -75,6 +75,7 @@ class ClaimContext:
     codec: str
     numel: int
     max_staleness: int
+    uncredited: frozenset[str] = frozenset()  # merge weight 1: the last certified round did not credit their work
 
 
 @dataclass
@@ -121,7 +122,7 @@ def plan_claims_problem(plan: Plan, *, ctx: ClaimContext, cfg: RoundConfig) -> s
             return f"plan gives {short_id(peer)} another endpoint than it claimed"
     claimed = {p: MemberClaim.of(c) for p, c in zip(plan.members, plan.claims, strict=True)}
     claims = {p: (c.tokens, c.staleness) for p, c in claimed.items()}
-    weights = token_weights(claims, cfg=cfg)
+    weights = token_weights(claims, cfg=cfg, cut=ctx.uncredited)
     if tuple(weights[p] for p in plan.members) != plan.weights:
         return "plan's weights are not those its signed claims give"
     return ""

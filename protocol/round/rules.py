@@ -12,7 +12,7 @@ are in `swarmloco.protocol.round.config`; the fork choice between certified stat
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from typing import Any
 
 import torch
@@ -83,14 +83,16 @@ def check_contribution(
     return ""
 
 
-def token_weights(claims: Mapping[str, tuple[int, int]], *, cfg: RoundConfig) -> dict[str, int]:
+def token_weights(claims: Mapping[str, tuple[int, int]], *, cfg: RoundConfig,
+                  cut: Set[str] = frozenset()) -> dict[str, int]:
     """Merge weight per contributor from its (claimed tokens, staleness): claims are capped at `weight_cap_factor`
     × the group's (lower) median claim, so one peer's inflated count buys at most that multiple of a typical
     member's weight however few honest peers there are, and discounted by `stale_discount` per round of staleness.
+    A peer in `cut` (its last certified contribution earned no credit: `swarmloco.protocol.round.credit`) weighs 1.
     Whole numbers, at least 1: every member re-derives them from the signed claims and must get the same."""
     counts = sorted(max(t, 1) for t, _ in claims.values())
     cap = cfg.weight_cap_factor * counts[(len(counts) - 1) // 2]
-    return {peer: max(1, round(min(max(tokens, 1), cap) * cfg.stale_discount**stale))
+    return {peer: 1 if peer in cut else max(1, round(min(max(tokens, 1), cap) * cfg.stale_discount**stale))
             for peer, (tokens, stale) in sorted(claims.items())}
 
 

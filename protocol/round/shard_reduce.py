@@ -31,7 +31,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import torch
 
@@ -42,6 +41,7 @@ from swarmloco.protocol.base.text import bounded, short_id
 from swarmloco.protocol.base.wire import WireError, frame_bytes
 from swarmloco.protocol.round.audit import AuditCase, audit
 from swarmloco.protocol.round.config import Rule
+from swarmloco.protocol.round.grace import gather_with_grace
 from swarmloco.protocol.round.groups import RoundAborted
 from swarmloco.protocol.round.pipes import Inbox, Pipe, ShardRouter
 from swarmloco.protocol.round.plans import Plan
@@ -58,7 +58,6 @@ from swarmloco.protocol.trust.identity import Identity
 from swarmloco.protocol.trust.payloads import digest, part_body, plan_body, result_body, sign, signed
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -74,6 +73,7 @@ class Reduced:
     send_s: float  # from the first part sent to the last: what the member's uplink took
     parts_sent: int  # the bytes of those parts
     audit_s: float  # the audit's three steps, sketches included
+    scores: Mapping[str, float] | None = None  # contributor -> loss decrease of its merged Δ (None: not scored)
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,7 @@ class Signing:
     nonce: bytes  # behind our audit commitment
     commits: tuple[str, ...]  # every member's audit commitment, plan order
     hooks: Hooks = field(default_factory=Hooks)
+    probe: Callable[[bytes], torch.Tensor] | None = None  # the credit probe's gradient (`AuditCase.probe`)
     grace_floor: float = 10.0  # the least a straggler is waited for once a majority's frames are in
 
     @property
@@ -154,18 +155,18 @@ async def reduce_shards(plan: Plan, delta: torch.Tensor, *, me: str, codec: Code
         own_decoded = await loop.run_in_executor(None, own_as_decoded, plan, k, own, codec, got.encoded)
         results = await _exchange_results(plan, k, pipes, members, got.parts, own_decoded, codec=codec,
                                           timeout=timeouts.transfer, signing=signing)
-        sent, received, audit_s = got.sent + results.sent, got.received + results.received, 0.0
+        sent, received, audit_s, scores = got.sent + results.sent, got.received + results.received, 0.0, None
         if signing.probes:
             started = time.monotonic()
             case = AuditCase(plan=plan, plan_id=signing.plan_id, k=k, run_id=signing.run_id,
                              identity=signing.identity, codec=codec, probes=signing.probes, nonce=signing.nonce,
                              commits=signing.commits, settled=members, results=results.headers,
                              rounding=results.rounding, average=results.average, own=own_decoded, parts=got.parts,
-                             part_frames=got.frames)
+                             part_frames=got.frames, probe=signing.probe)
             found = await audit(case, pipes, timeout=timeouts.transfer)
             sent += found.sent
             received += found.received
-            audit_s = time.monotonic() - started
+            audit_s, scores = time.monotonic() - started, found.scores
             if found.cheaters:
                 convicted = "; ".join(f"{short_id(p)} {why}" for p, why in found.cheaters.items())
                 raise RoundAborted("audit failed: " + convicted, blame=next(iter(found.cheaters)),
@@ -180,30 +181,10 @@ async def reduce_shards(plan: Plan, delta: torch.Tensor, *, me: str, codec: Code
         task.add_done_callback(_background.discard)
     return Reduced(average=results.average, members=members, pipes=len(pipes),
                    direct=sum(p.direct for p in pipes.values()), sent=sent, received=received, send_s=got.send_s,
-                   parts_sent=got.parts_sent, audit_s=audit_s)
+                   parts_sent=got.parts_sent, audit_s=audit_s, scores=scores)
 
 
 _background: set[asyncio.Future[None]] = set()  # pipes closing after their last frame was confirmed
-
-
-async def gather_with_grace(coros: list[Awaitable[T]], *, have: int, need: int, floor: float) -> list[T | None]:
-    """Await every coroutine, but once `need` results are in (counting `have` already held), give the rest at most
-    max(floor, 2 × the time taken so far): a member that stalls its sends costs the round seconds, not its
-    deadline. Results cut off are None (their coroutines are cancelled)."""
-    started = time.monotonic()
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    pending = set(tasks)
-    try:
-        while pending:
-            if have + len(tasks) - len(pending) >= need:
-                grace = max(floor, 2 * (time.monotonic() - started))
-                _, pending = await asyncio.wait(pending, timeout=grace)
-                break
-            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in pending:
-            t.cancel()
-    return [None if t in pending or t.cancelled() else t.result() for t in tasks]
 
 
 async def _exchange_parts(plan: Plan, k: int, own: torch.Tensor, pipes: Mapping[str, Pipe], *, codec: Codec,

@@ -27,6 +27,7 @@ from swarmloco.protocol.base.wire import WireError
 from swarmloco.protocol.chain.chain import Chain
 from swarmloco.protocol.network.transport import Transport
 from swarmloco.protocol.round.config import Deadlines, LocalModel, RoundConfig
+from swarmloco.protocol.round.credit import uncredited
 from swarmloco.protocol.round.exchange import (
     ClaimContext,
     Link,
@@ -53,8 +54,10 @@ HISTORY = 16  # certified (round, hash) pairs we remember, to check the base sta
 
 class RoundSteps:
     def __init__(self, transport: Transport, cfg: RoundConfig, model: LocalModel, *, chain: Chain,
-                 credentials: Credentials, codec: Codec, router: ShardRouter, hooks: Hooks, use_tcp: bool) -> None:
+                 credentials: Credentials, codec: Codec, router: ShardRouter, hooks: Hooks, use_tcp: bool,
+                 probe: Callable[[bytes], torch.Tensor] | None = None) -> None:
         self.transport, self.cfg, self.model, self.chain = transport, cfg, model, chain
+        self.probe = probe
         self.credentials, self.codec, self.router, self.hooks = credentials, codec, router, hooks
         self.use_tcp = use_tcp
         self.deadlines = Deadlines.of(cfg)
@@ -104,7 +107,7 @@ class RoundSteps:
                               plan_id=plan_digest(plan.to_pb()), plan_signature=plan.signature, rule=self.cfg.rule,
                               probes=self.cfg.audit_probes, nonce=nonce,
                               commits=tuple(c.audit_commit for c in plan.claims), hooks=self.hooks,
-                              grace_floor=d.control)
+                              grace_floor=d.control, probe=self.probe)
             reduced = await reduce_shards(plan, delta, me=group.me, codec=self.codec, router=self.router,
                                           inbox=inbox, timeouts=ShardTimeouts(connect=d.control, transfer=d.transfer),
                                           use_tcp=self.use_tcp, after_parts=after_parts, signing=signing,
@@ -134,7 +137,7 @@ class RoundSteps:
     def _context(self, group: Group, prev: Head) -> ClaimContext:
         return ClaimContext(run_id=self.transport.run_id, round=group.round, prev_hash=prev.state_hash,
                             leader=group.leader, codec=self.codec.name, numel=self.model.numel,
-                            max_staleness=self.cfg.max_staleness)
+                            max_staleness=self.cfg.max_staleness, uncredited=uncredited(prev))
 
     async def _plan(self, group: Group, own: pb.ContributionClaim, prev: Head) -> Plan:
         d, me = self.deadlines, group.me
@@ -154,7 +157,8 @@ class RoundSteps:
                 del claims.admitted[peer]
                 claims.excluded[peer] = (f"left out: it stalled or vanished in a recent round (until round "
                                          f"{self.suspended[peer]})")
-        weights = token_weights({p: (c.tokens, c.staleness) for p, c in claims.admitted.items()}, cfg=self.cfg)
+        weights = token_weights({p: (c.tokens, c.staleness) for p, c in claims.admitted.items()}, cfg=self.cfg,
+                                cut=uncredited(prev))
         members = tuple(sorted(weights))
         if len(members) < needed:
             raise RoundAborted(f"only {len(members)} of the group contributed; a certificate needs {needed}: "

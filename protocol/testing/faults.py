@@ -7,6 +7,8 @@ the first time the phase is reached) runs with a `FaultInjector` as its hooks. P
     leader_before_commit=kill  die as leader after averaging, before anyone got the result
     contribute=nan|wrong_numel|inflate|zero_tokens   send a malformed contribution (as a member)
     contribute=negate1000|random1000   poison: Δ × −1000, or a random Δ 1000× as long, claiming 1000× the tokens
+    contribute=freeride|freeride_noise  a free rider: a zero Δ, or a random Δ as long as the honest one, claiming
+                               1000× the tokens
     reduce=flip|noise1000      as a reducer, sign and send −(the true shard), or random noise 1000× as long
     reduce=equivocate          as a reducer, send every other member a different (signed) shard than the rest
     reduce=withhold            as a reducer, send nobody its reduced shard
@@ -37,7 +39,7 @@ ENV = "SWARMLOCO_FAULTS"
 PHASES = {"inner_step", "member_after_send", "leader_before_commit", "contribute", "reduce", "exchange",
           "serve_state", "serve_session", "lead"}
 ACTIONS = {"kill", "nan", "wrong_numel", "inflate", "zero_tokens", "corrupt", "negate1000", "random1000", "flip",
-           "noise1000", "equivocate", "withhold", "stall", "stall30", "hold", "busy"}
+           "noise1000", "equivocate", "withhold", "stall", "stall30", "hold", "busy", "freeride", "freeride_noise"}
 EVERY = -1  # the round of a fault armed for every round
 
 
@@ -121,6 +123,10 @@ class FaultInjector(Hooks):
             noise = torch.randn(delta.shape, generator=torch.Generator().manual_seed(round_number))
             delta = noise * (1000.0 * float(delta.norm()) / max(float(noise.norm()), 1e-30))
             tokens *= 1000
+        elif action in ("freeride", "freeride_noise"):
+            noise = torch.randn(delta.shape, generator=torch.Generator().manual_seed(round_number))
+            scale = float(delta.norm()) / max(float(noise.norm()), 1e-30) if action == "freeride_noise" else 0.0
+            delta, tokens = noise * scale, tokens * 1000
         return delta, tokens
 
     def hold_group(self, round_number: int) -> bool:  # asked on every poll: fires once per round it holds

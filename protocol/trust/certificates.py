@@ -1,10 +1,10 @@
 """Commit certificates: the proof that θ_{r+1} is the swarm's state and not one peer's claim.
 
 A round's members each re-derive θ_{r+1} from the average they received and sign one `Statement`: the run, the
-new round number, the previous and the new state hash, who contributed with which weight, how many active peers
-the group was formed among (`swarm`), and the chain's cumulative certified tokens (`work`). A `Certificate` is that
-statement with signatures of at least `need(swarm, quorum)` distinct admitted members: a majority of the active
-swarm, so two disjoint groups cannot both certify the same round.
+new round number, the previous and the new state hash, who contributed with which weight, what verified work each
+was credited, how many active peers the group was formed among (`swarm`), and the chain's cumulative credited
+tokens (`work`). A `Certificate` is that statement with signatures of at least `need(swarm, quorum)` distinct
+admitted members: a majority of the active swarm, so two disjoint groups cannot both certify the same round.
 
 Everything here is checked offline by whoever receives a certificate: signatures against the keys inlined in the
 peer ids, tickets against the run's authority (`swarmloco.protocol.trust.admission.Gate`).
@@ -49,8 +49,8 @@ def refusal_to_sign(statement: Statement, prev: Head, *, round_number: int, swar
     s = statement
     if s.prev_hash != prev.state_hash or round_number != prev.round:
         return "it starts from another state than ours"
-    if s.work != prev.work + sum(s.weights):
-        return f"work {s.work} is not ours ({prev.work}) plus this round's weights"
+    if s.work != prev.work + sum(s.credited):
+        return f"work {s.work} is not ours ({prev.work}) plus this round's credit"
     if s.swarm != swarm:
         return f"swarm {s.swarm} differs from the {swarm} announced at close"
     if not set(s.members) <= set(group_members):
@@ -82,11 +82,22 @@ class Statement:
     members: tuple[str, ...]  # contributors, sorted
     weights: tuple[int, ...]  # their merge weights, same order
     swarm: int  # active peers the group was formed among
-    work: int  # cumulative certified tokens of the chain, θ_{r+1} included
+    work: int  # cumulative credited tokens of the chain, θ_{r+1} included
+    # Per member, the weight its verified work earned (0: its Δ did not lower the loss on the round's probe batch;
+    # swarmloco.protocol.round.credit). None: the round could not score contributions (no probe, no audit), and
+    # the weights stand as the credit.
+    credit: tuple[int, ...] | None = None
+
+    @property
+    def credited(self) -> tuple[int, ...]:
+        return self.weights if self.credit is None else self.credit
 
     def body(self) -> bytes:
-        value = {**asdict(self), "members": list(self.members), "weights": list(self.weights)}
-        return _DOMAIN + json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+        return _DOMAIN + json.dumps(self.as_json(), sort_keys=True, separators=(",", ":")).encode()
+
+    def as_json(self) -> dict[str, Any]:
+        return {**asdict(self), "members": list(self.members), "weights": list(self.weights),
+                "credit": None if self.credit is None else list(self.credit)}
 
     def problem(self) -> str:
         """Why this statement is malformed ("" when well formed)."""
@@ -103,10 +114,15 @@ class Statement:
             isinstance(w, int) and not isinstance(w, bool) and 0 <= w < 2**48 for w in self.weights
         ):
             return "weights must be one non-negative integer per member"
+        if self.credit is not None and (len(self.credit) != len(self.weights) or not all(
+            isinstance(c, int) and not isinstance(c, bool) and 0 <= c <= w
+            for c, w in zip(self.credit, self.weights, strict=True)
+        )):
+            return "credit must be one integer per member, between 0 and its weight"
         if not (isinstance(self.swarm, int) and len(self.members) <= self.swarm <= MAX_MEMBERS):
             return "swarm must count at least the members"
-        if not (isinstance(self.work, int) and sum(self.weights) <= self.work < MAX_WORK):
-            return "work must include this round's weights"
+        if not (isinstance(self.work, int) and sum(self.credited) <= self.work < MAX_WORK):
+            return "work must include this round's credit"
         return ""
 
 
@@ -121,9 +137,7 @@ class Certificate:
         return identity.sign(statement.body()).hex()
 
     def to_bytes(self) -> bytes:
-        s = self.statement
-        value = {"statement": {**asdict(s), "members": list(s.members), "weights": list(s.weights)},
-                 "signatures": self.signatures, "tickets": self.tickets}
+        value = {"statement": self.statement.as_json(), "signatures": self.signatures, "tickets": self.tickets}
         return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
@@ -143,6 +157,9 @@ class Certificate:
         if not (isinstance(st["members"], list) and all(isinstance(m, str) for m in st["members"])
                 and isinstance(st["weights"], list) and all(type(w) is int for w in st["weights"])):
             raise ValueError("certificate members must be a list of peer ids and weights a list of integers")
+        credit = st["credit"]
+        if credit is not None and not (isinstance(credit, list) and all(type(c) is int for c in credit)):
+            raise ValueError("certificate credit must be null or a list of integers")
         if not all(type(st[k]) is int for k in ("round", "swarm", "work")) or not all(
                 isinstance(st[k], str) for k in ("run_id", "prev_hash", "new_hash")):
             raise ValueError("certificate statement fields have the wrong types")
@@ -151,7 +168,8 @@ class Certificate:
                 isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()
             ):
                 raise ValueError("certificate signatures and tickets must map peer ids to strings")
-        statement = Statement(**{**st, "members": tuple(st["members"]), "weights": tuple(st["weights"])})
+        statement = Statement(**{**st, "members": tuple(st["members"]), "weights": tuple(st["weights"]),
+                                 "credit": None if credit is None else tuple(credit)})
         return cls(statement, dict(sigs), dict(tickets))
 
     def problem(self, *, run_id: str, gate: Gate, quorum: int) -> str:
