@@ -120,4 +120,20 @@ UPDATE peers SET stored_reports = (SELECT COUNT(*) FROM reports r WHERE r.run_id
                                    AND r.peer_id = peers.peer_id);
 """
 
-MIGRATIONS: tuple[str, ...] = (_V1, _V2)
+# Credit for verified work: the tokens each peer's certified rounds credited it (a certificate's per-member credit,
+# or its weights for a round that could not score contributions), summed when a round is first certified. Rounds
+# certified before this table existed are counted from their stored tokens.
+_V3 = """
+CREATE TABLE credits (
+    run_id   TEXT NOT NULL,
+    peer_id  TEXT NOT NULL,
+    tokens   INTEGER NOT NULL DEFAULT 0,
+    rounds   INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (run_id, peer_id)
+);
+INSERT INTO credits(run_id, peer_id, tokens, rounds)
+SELECT r.run_id, m.value, SUM(t.value), SUM(t.value > 0) FROM rounds r, json_each(r.members) m, json_each(r.tokens) t
+WHERE r.certificate IS NOT NULL AND m.key = t.key GROUP BY r.run_id, m.value;
+"""
+
+MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3)

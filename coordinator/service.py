@@ -232,9 +232,13 @@ class _StoreCollector:
         for outcome, n in sorted(store.rounds_by_outcome().items()):
             rounds.add_metric([outcome], n)
         yield rounds
-        tokens = CounterMetricFamily("swarmloco_tokens", "Tokens processed by all peers (latest report per peer)")
+        tokens = CounterMetricFamily("swarmloco_tokens", "Tokens all peers report having processed (their word)")
         tokens.add_metric([], store.tokens_total())
         yield tokens
+        credited = CounterMetricFamily("swarmloco_credited_tokens", "Tokens certified rounds credited as verified "
+                                       "work, all peers")
+        credited.add_metric([], store.credited_tokens())
+        yield credited
         counts, total, seconds = store.round_duration_histogram(DURATION_BUCKETS)
         buckets = [(repr(float(edge)), n) for edge, n in zip(DURATION_BUCKETS, counts, strict=True)]
         buckets.append(("+Inf", total))

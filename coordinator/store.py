@@ -75,6 +75,7 @@ class Store(Protocol):
     def peers_online(self, since: float) -> int: ...
     def rounds_by_outcome(self) -> dict[str, int]: ...
     def tokens_total(self) -> int: ...
+    def credited_tokens(self) -> int: ...
     def round_duration_histogram(self, edges: Sequence[float]) -> tuple[list[int], int, float]: ...
     def counts(self) -> dict[str, int]: ...
     def integrity_check(self) -> str: ...
@@ -245,9 +246,9 @@ class SQLiteStore(AuthorityTables, Listings):
         committed = b["outcome"] == "committed"
         if committed and certificate is None:
             return  # the peer's own claim: kept in the ledger, but it neither creates nor credits a round
-        if certificate is not None:  # members, weights and the new state come from what the members signed
+        if certificate is not None:  # members, their credited tokens and the new state: what the members signed
             s = certificate.statement
-            number, state_hash, members, tokens = s.round, s.new_hash, list(s.members), list(s.weights)
+            number, state_hash, members, tokens = s.round, s.new_hash, list(s.members), list(s.credited)
         else:
             number, state_hash, members, tokens = b["round"], b["state_hash"] or "", b["members"], b["tokens"]
         # One `rounds` row per distinct (round, outcome, hash): members that disagree show up as separate rows.
@@ -257,8 +258,13 @@ class SQLiteStore(AuthorityTables, Listings):
         round_id = c.execute("SELECT id FROM rounds WHERE run_id=? AND round=? AND outcome=? AND state_hash=?",
                              (r.run_id, number, b["outcome"], state_hash)).fetchone()[0]
         if certificate is not None:  # also certifies a row recorded from a claim before certificates existed
-            c.execute("UPDATE rounds SET certificate=?, members=?, tokens=? WHERE id=? AND certificate IS NULL",
-                      (certificate.to_bytes().decode(), json.dumps(members), json.dumps(tokens), round_id))
+            certified = c.execute("UPDATE rounds SET certificate=?, members=?, tokens=? WHERE id=? AND "
+                                  "certificate IS NULL", (certificate.to_bytes().decode(), json.dumps(members),
+                                                          json.dumps(tokens), round_id)).rowcount
+            if certified:  # credited once, by the first report that certifies the round
+                c.executemany("INSERT INTO credits(run_id, peer_id, tokens, rounds) VALUES (?,?,?,?) ON CONFLICT"
+                              " DO UPDATE SET tokens=tokens+excluded.tokens, rounds=rounds+excluded.rounds",
+                              [(r.run_id, m, t, int(t > 0)) for m, t in zip(members, tokens, strict=True)])
         first = c.execute("SELECT 1 FROM round_reports WHERE round_id=? AND peer_id=?",
                           (round_id, r.peer_id)).fetchone() is None
         c.execute("INSERT INTO round_reports(round_id, report_id, peer_id, timestamp, train_s, wait_s, average_s,"
@@ -308,6 +314,9 @@ class SQLiteStore(AuthorityTables, Listings):
 
     def tokens_total(self) -> int:
         return int(self._scalar("SELECT COALESCE(SUM(tokens_total), 0) FROM peers"))
+
+    def credited_tokens(self) -> int:
+        return int(self._scalar("SELECT COALESCE(SUM(tokens), 0) FROM credits"))
 
     def round_duration_histogram(self, edges: Sequence[float]) -> tuple[list[int], int, float]:
         """Cumulative counts of per-peer round durations <= each edge, the total count and the sum."""

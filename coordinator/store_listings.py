@@ -60,8 +60,12 @@ class Listings:
     def list_peers(self, *, run_id: str | None, peer_id: str | None, limit: int, cursor: int | None,
                    descending: bool) -> Page:
         where, args = self._filters(run_id, peer_id)
-        rows = self._page("SELECT rowid AS id, * FROM peers", where, args, id_col="rowid", limit=limit,
-                          cursor=cursor, descending=descending)
+        # credited_tokens: what certified rounds credited the peer as verified work; tokens_total is its own word
+        rows = self._page("SELECT rowid AS id, *, COALESCE((SELECT c.tokens FROM credits c WHERE c.run_id = "
+                          "peers.run_id AND c.peer_id = peers.peer_id), 0) AS credited_tokens, COALESCE((SELECT "
+                          "c.rounds FROM credits c WHERE c.run_id = peers.run_id AND c.peer_id = peers.peer_id), 0) "
+                          "AS credited_rounds FROM peers", where, args, id_col="rowid", limit=limit, cursor=cursor,
+                          descending=descending)
         return self._finish([dict(r) for r in rows], limit)
 
     def list_metrics(self, *, run_id: str | None, peer_id: str | None, limit: int, cursor: int | None,

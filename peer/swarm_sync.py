@@ -327,7 +327,7 @@ class SwarmSync:
         assert cert is not None, "a committed or mismatched round always carries its certificate"
         entry.update(
             round=base_round + 1,
-            weights=result.weights,
+            weights=result.weights, credit=cert.statement.credit and list(cert.statement.credit),  # verified work
             excluded=result.excluded,
             state_hash=cert.statement.new_hash,
             average_s=round_float(result.seconds),

@@ -53,15 +53,15 @@ def state_hash(round: int) -> str:
 
 def certificate(signers: Sequence[Identity], tickets: dict[str, str], *, run_id: str, round: int,
                 members: Sequence[str] | None = None, weights: Sequence[int] | None = None, swarm: int | None = None,
-                new_hash: str | None = None) -> Certificate:
+                new_hash: str | None = None, credit: Sequence[int] | None = None) -> Certificate:
     """A commit certificate for `round` signed by `signers` (members default to the signers, weights to
-    1000, 1001, ... like `round_body`)."""
+    1000, 1001, ... like `round_body`; credit, in the members' order, to none: an unscored round)."""
     ids = sorted(members if members is not None else [s.peer_id for s in signers])
     statement = Statement(
         run_id=run_id, round=round, prev_hash=hashlib.sha256(f"prev{round}".encode()).hexdigest(),
         new_hash=new_hash or state_hash(round), members=tuple(ids),
         weights=tuple(weights if weights is not None else [1000 + i for i in range(len(ids))]),
-        swarm=swarm if swarm is not None else len(ids), work=10**9)
+        swarm=swarm if swarm is not None else len(ids), work=10**9, credit=None if credit is None else tuple(credit))
     return Certificate(statement, {s.peer_id: Certificate.sign(s, statement) for s in signers},
                        {s.peer_id: tickets[s.peer_id] for s in signers if s.peer_id in tickets})
 

@@ -158,7 +158,7 @@ function updateTables() {
     cell(tr, p.device ?? "–");
     cell(tr, p.memory_bytes ? fmt(p.memory_bytes / 2 ** 30, 1) + " GiB" : "–", "num");
     cell(tr, fmt(p.tokens_per_s), "num");
-    cell(tr, fmt(p.tokens_total), "num");
+    cell(tr, fmt(p.credited_tokens), "num").title = `reported by the peer: ${fmt(p.tokens_total)}`;
     cell(tr, fmt(p.rounds_committed), "num");
     cell(tr, fmt(p.last_train_loss, 4), "num");
     cell(tr, fmt(p.last_tokens_per_s), "num");
@@ -189,7 +189,7 @@ function updateCards() {
   document.getElementById("card-peers").textContent = `${online.length} / ${state.peers.length}`;
   const committed = state.rounds.filter((r) => r.outcome === "committed").length;
   document.getElementById("card-rounds").textContent = `${committed} / ${state.rounds.length - committed}`;
-  document.getElementById("card-tokens").textContent = fmt(state.peers.reduce((s, p) => s + p.tokens_total, 0));
+  document.getElementById("card-tokens").textContent = fmt(state.peers.reduce((s, p) => s + p.credited_tokens, 0));
   const tps = online.reduce((s, p) => s + (p.last_tokens_per_s || 0), 0);
   document.getElementById("card-throughput").textContent = fmt(tps) + " tok/s";
   const lastEval = [...state.rounds].filter((r) => r.eval_loss !== null).sort((a, b) => b.round - a.round)[0];

@@ -4,6 +4,8 @@ the project's own code (a `SWARMLOCO_FAULTS` fault injector), admitted like the 
 - Δ × −1000, claiming 1000× the tokens, every round: with the robust aggregator the honest peers' final eval loss
   stays within 5% of a clean run of the same settings; with the plain mean (the control) it does not. (A random Δ
   1000× as long is dropped by the same rule: tests/unit/test_robust_rounds.py.)
+- A free rider (a zero Δ claiming 1000× the tokens): credited nothing, and the final eval loss within 2% of a
+  clean run.
 - A reducer that signs and sends −(its true shard): no round with its result is certified, the honest peers ban
   it, and later rounds commit without it. (Noise 1000× as long, and different shards for different members, are
   covered with the same one in tests/unit/test_robust_rounds.py, on the in-memory transport.)
@@ -79,6 +81,29 @@ def test_robust_aggregation_keeps_the_model_within_5_percent_of_a_clean_run(swar
     assert math.isfinite(loss) and loss <= 1.05 * clean, (loss, clean)
     # the hostile Δ was in the rounds (it was not refused as malformed), it just weighed nothing
     assert any(run["hostile"] in e.get("members", []) for n in HONEST for e in run[n]["events"])
+    assert_no_split(swarm, HONEST)
+
+
+def test_a_free_rider_is_credited_nothing_and_costs_the_model_little(swarm: Swarm, clean: float) -> None:
+    """A member that sends a zero Δ claiming 1000× the tokens, every round: every certified round it contributed
+    to credits it 0 (the honest members in full), the rounds after its first weigh it 1, and the honest final eval
+    loss stays within 2% of the clean run. (As leader the fault does not act: it then contributes honestly.)"""
+    run = _run(swarm, faults="contribute=freeride@*")
+    hostile = run["hostile"]
+    assert all(c == 0 for c in run["codes"].values()), swarm.tails()
+    assert _all_rounds(run), swarm.tails()
+    ridden = 0
+    for name in HONEST:
+        for e in run[name]["events"]:
+            if e.get("outcome") != "committed" or hostile not in e.get("members", []) or e.get("leader") == hostile:
+                continue
+            credit = dict(zip(e["members"], e["credit"], strict=True))
+            weight = dict(zip(e["members"], e["weights"], strict=True))
+            assert credit[hostile] == 0 and all(credit[p] == weight[p] for p in credit if p != hostile), e
+            ridden += 1
+    assert ridden, "the free rider never contributed to a certified round"
+    loss = _loss(run)
+    assert math.isfinite(loss) and loss <= 1.02 * clean, (loss, clean)
     assert_no_split(swarm, HONEST)
 
 

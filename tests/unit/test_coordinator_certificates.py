@@ -60,6 +60,27 @@ def test_valid_certificate_credits_with_the_certified_members(env: ServiceEnv, i
     assert sorted(row["reporters"]) == sorted([ids[0].peer_id, ids[1].peer_id, ids[1].peer_id])
 
 
+def test_attack_a_free_riders_claims_earn_no_credit(env: ServiceEnv, ids: list[Identity]) -> None:
+    """The ledger credits what certified rounds credited as verified work, never the tokens a peer reports: a
+    free rider the round did not credit (its Δ did not lower the loss) shows 0 credited tokens, whatever it says."""
+    tickets = env.admit(*ids[:3])
+    members = sorted(i.peer_id for i in ids[:3])
+    rider = next(i for i in ids[:3] if i.peer_id == members[2])
+    credit = [1000, 1001, 0]  # merged at weight 4000 (its capped claim), credited nothing
+    for rnd in (1, 2):
+        cert = certificate(ids[:3], tickets, run_id="run", round=rnd, members=members,
+                           weights=[1000, 1001, 4000], credit=credit)
+        for reporter in ids[:3]:
+            _post(env, reporter, cert, rnd)
+    assert env.report(rider, "metrics", metrics_body(1, tokens_total=10**12))[0] == 200
+    got = {i.peer_id: env.peer(i) for i in ids[:3]}
+    assert [got[m]["credited_tokens"] for m in members] == [2000, 2002, 0]
+    assert [got[m]["credited_rounds"] for m in members] == [2, 2, 0]
+    assert got[rider.peer_id]["tokens_total"] == 10**12  # its own word, kept apart from credit
+    assert [r["tokens"] for r in env.rounds()] == [credit, credit]
+    assert env.store.credited_tokens() == 4002
+
+
 def test_attack_first_report_no_longer_decides_the_round(env: ServiceEnv, ids: list[Identity]) -> None:
     """Defence: the round comes from the certificate. Before, the first report's members and tokens were the
     round's, so one peer could claim all the tokens, or a round that never happened."""

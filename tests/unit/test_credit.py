@@ -97,8 +97,10 @@ def test_credit_travels_in_the_certificate_and_is_bounded_by_the_weight() -> Non
 
 # --- whole rounds --------------------------------------------------------------------------------------------------
 def _swarm(net: FakeNetwork, spec: str, *, with_probe: bool = True) -> list:
-    """Four peers in leader order, the last (never view 0's leader) hostile as `spec` says."""
-    averagers = by_rank(peers(net, 4, quorum=3, probe=probe if with_probe else None))
+    """Four peers in leader order, the last (never view 0's leader) hostile as `spec` says. A leader waits up to 3 s
+    for ready peers that have not joined yet, so a peer whose thread starts late still makes the group."""
+    averagers = by_rank(peers(net, 4, quorum=3, probe=probe if with_probe else None, grace_max_s=3.0,
+                              round_timeout_s=20))
     bad = averagers[3]
     bad.hooks = FaultInjector.parse(spec)
     assert bad.steps is not None
