@@ -2,9 +2,9 @@
 
 JSON API under ``/api`` (OpenAPI schema at ``/openapi.json``, docs at ``/docs``), ``/healthz``, Prometheus text at
 ``/metrics`` and the dashboard (static files) at ``/``. The run's authority answers ``GET /api/authority``,
-``POST /api/tickets`` (a request signed by the peer, see :mod:`swarmloco.protocol.trust.ticket_request`) and
-``GET /api/revocations`` (the signed list). Bad input gets a 4xx with an ``error`` message; an unexpected
-server-side failure answers 503 (retryable) rather than 500.
+``POST /api/tickets`` (a request signed by the peer, see :mod:`swarmloco.protocol.trust.ticket_request`),
+``GET /api/revocations`` (the signed list) and ``GET /api/checkpoint`` (the signed head it vouches for). Bad input
+gets a 4xx with an ``error`` message; an unexpected server-side failure answers 503 (retryable) rather than 500.
 """
 
 from __future__ import annotations
@@ -113,6 +113,14 @@ def create_app(service: CoordinatorService) -> FastAPI:
     @app.get("/api/revocations", summary="Peers revoked by the authority, as a list it signed (newest serial wins)")
     def get_revocations() -> dict[str, Any]:
         return service.authority.revocations()
+
+    @app.get("/api/checkpoint", summary="The heaviest certified state the authority vouches for, with each "
+             "member's seniority, signed (newest wins)")
+    def get_checkpoint() -> JSONResponse:
+        value = service.checkpoint(refresh=True)
+        if value is None:
+            return _error(404, "no checkpoint yet: the authority signs one once a certified round is reported")
+        return JSONResponse(value)
 
     @app.get("/api/runs", summary="Runs recorded by this coordinator")
     def get_runs(limit: Limit = 100, cursor: Cursor = None, order: Order = "asc") -> dict[str, Any]:

@@ -120,7 +120,8 @@ UPDATE peers SET stored_reports = (SELECT COUNT(*) FROM reports r WHERE r.run_id
                                    AND r.peer_id = peers.peer_id);
 """
 
-# Credit for verified work: the tokens each peer's certified rounds credited it (a certificate's per-member credit,
+# Credit for verified work, and the authority's newest checkpoint per run. Credits: the tokens each peer's certified
+# rounds credited it (a certificate's per-member credit,
 # or its weights for a round that could not score contributions), summed when a round is first certified. Rounds
 # certified before this table existed are counted from their stored tokens.
 _V3 = """
@@ -134,6 +135,11 @@ CREATE TABLE credits (
 INSERT INTO credits(run_id, peer_id, tokens, rounds)
 SELECT r.run_id, m.value, SUM(t.value), SUM(t.value > 0) FROM rounds r, json_each(r.members) m, json_each(r.tokens) t
 WHERE r.certificate IS NOT NULL AND m.key = t.key GROUP BY r.run_id, m.value;
+CREATE TABLE checkpoints (
+    run_id     TEXT PRIMARY KEY,
+    issued_at  REAL NOT NULL,
+    value      TEXT NOT NULL
+);
 """
 
 MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3)

@@ -17,7 +17,8 @@ from the file, which is then readable by its owner only.
 The identity file (``<db>.key`` unless given) is the run's authority key, which signs tickets and revocation
 lists; it exists even without a DHT node, and the DHT node runs under the same key. With a DHT node, the signed
 revocation list is published under ``revocations_key(run_id)`` (subkey: the authority's peer id) at start and every
-``REVOCATIONS_EVERY_S``, so peers learn of revocations without asking the coordinator.
+``REVOCATIONS_EVERY_S``, so peers learn of revocations without asking the coordinator. The authority's newest
+checkpoint (coordinator/checkpoints.py) goes under ``checkpoint_key(run_id)`` at the same times, re-signed when due.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from swarmloco.coordinator.connections import ConnectionGuard, ConnectionLimits,
 from swarmloco.coordinator.files import write_atomically
 from swarmloco.coordinator.service import CoordinatorService, ServiceConfig
 from swarmloco.coordinator.store import SQLiteStore
-from swarmloco.protocol.base.records import revocations_key
+from swarmloco.protocol.base.records import checkpoint_key, revocations_key
+from swarmloco.protocol.trust.checkpoints import MAX_CHECKPOINT_TTL_S
 from swarmloco.protocol.trust.identity import load_or_create_identity
 
 __all__ = ["CoordinatorConfig", "CoordinatorServer", "join_command"]
@@ -50,6 +52,7 @@ logger = logging.getLogger(__name__)
 
 REVOCATIONS_EVERY_S = 30.0
 REVOCATIONS_TTL_S = 120.0  # a few missed publications do not make the list vanish from the DHT
+CHECKPOINT_TTL_S = 300.0  # likewise the checkpoint (re-published with the list, re-signed when due)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,6 +141,7 @@ class CoordinatorServer:
             logger.warning("DHT peer id %s differs from identity %s", self.dht_peer_id, self.identity.peer_id)
         self.dht_maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
         self.publish_revocations()
+        self.publish_checkpoint()
         self._publisher = threading.Thread(target=self._publish_loop, name="revocations", daemon=True)
         self._publisher.start()
 
@@ -163,9 +167,27 @@ class CoordinatorServer:
                            REVOCATIONS_EVERY_S)
         return stored
 
+    def publish_checkpoint(self, timeout: float = 20.0) -> bool:
+        """Sign a checkpoint when one is due and store the newest in the DHT; returns whether the DHT took it."""
+        from hivemind.utils import get_dht_time
+
+        dht, value = self.dht, self.service.checkpoint(refresh=True)
+        if dht is None or value is None:
+            return False
+        expires = min(get_dht_time() + CHECKPOINT_TTL_S, value["issued_at"] + MAX_CHECKPOINT_TTL_S)
+        try:
+            future = dht.store(checkpoint_key(self.config.service.run_id), value, expiration_time=expires,
+                               subkey=self.identity.peer_id, return_future=True)
+            return bool(future.result(timeout=timeout))
+        except Exception as e:  # a DHT hiccup must not take the coordinator down; the next round retries
+            logger.warning("could not publish the checkpoint (round %s) to the DHT: %s: %s", value.get("round"),
+                           type(e).__name__, e)
+            return False
+
     def _publish_loop(self) -> None:
         while not self._stopping.wait(REVOCATIONS_EVERY_S):
             self.publish_revocations()
+            self.publish_checkpoint()
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from swarmloco.coordinator.authority import (
     bad_input,
     valid_unicode,
 )
+from swarmloco.coordinator.checkpoints import CheckpointConfig, Checkpointer
 from swarmloco.coordinator.limits import RateLimiter
 from swarmloco.coordinator.store import Page, Store
 from swarmloco.protocol.base.text import bounded, short_hash
@@ -65,6 +66,7 @@ class ServiceConfig:
     peer_rate_burst: float = 2000.0  # room for a peer's buffer of reports held back while we were down
     keep_reports_per_peer: int = 50_000
     max_runs: int = 1000  # distinct run ids reports may create (admission `none` accepts any run id)
+    checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)  # signed heads, unless admission `none`
 
     def __post_init__(self) -> None:
         if not 0 < self.max_past_s <= 86400 * 30:
@@ -102,9 +104,23 @@ class CoordinatorService:
         self._limiter = RateLimiter(config.rate_per_s, config.rate_burst)
         self._per_peer = RateLimiter(config.peer_rate_per_s, config.peer_rate_burst)
         self.store.ensure_run(config.run_id, clock())
+        self.checkpoints = None
+        if self.authority.mode != "none" and config.checkpoints.every_s > 0:
+            active = max(config.online_window_s, 3 * config.checkpoints.every_s)  # seniors active lately
+            self.checkpoints = Checkpointer(store, identity, config.run_id, active_window_s=active, clock=clock)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_StoreCollector(self))  # type: ignore[arg-type]
         self.started_at = clock()
+
+    def checkpoint(self, *, refresh: bool = False) -> dict[str, Any] | None:
+        """The newest signed checkpoint, as published (None: none yet, or no authority); `refresh`: sign a new one
+        first when the last is older than `checkpoints.every_s`."""
+        cp = self.checkpoints
+        if cp is None:
+            return None
+        if refresh and (cp.latest is None or self.clock() - cp.latest.issued_at >= self.config.checkpoints.every_s):
+            cp.refresh()
+        return None if cp.latest is None else cp.latest.to_value()
 
     # -- ingest ----------------------------------------------------------------------------------------------
 

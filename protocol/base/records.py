@@ -32,6 +32,11 @@ def revocations_key(run_id: str) -> str:
     return f"swarmloco/{run_id}/revoked"
 
 
+def checkpoint_key(run_id: str) -> str:
+    """Where the run's authority publishes its newest signed checkpoint (subkey: the authority's peer id)."""
+    return f"swarmloco/{run_id}/checkpoint"
+
+
 def fingerprint(task_config: dict[str, Any], layout: list[tuple[str, tuple[int, ...]]]) -> str:
     """Model fingerprint: the task config plus every parameter's name and shape, hashed."""
     blob = json.dumps({"config": task_config, "layout": [[n, list(s)] for n, s in layout]}, sort_keys=True, default=str)

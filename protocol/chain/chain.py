@@ -24,6 +24,7 @@ from swarmloco.protocol.chain.state_sync import StateSyncError, fetch_certificat
 from swarmloco.protocol.network.transport import Transport
 from swarmloco.protocol.trust.admission import Credentials, Gate
 from swarmloco.protocol.trust.certificates import Certificate, Head, supports
+from swarmloco.protocol.trust.checkpoints import supports_by_seniority
 
 logger = logging.getLogger(__name__)
 MAX_VERDICTS = 512
@@ -140,34 +141,74 @@ class Chain:
         if verdict is not None or key not in self._moved:
             return verdict, claim
         verdict, donor = self._moved[key]
-        s, h = verdict.statement, self.head
-        if not outranks((s.work, s.round, s.new_hash), (h.work, h.round, h.state_hash)):
+        s = verdict.statement
+        if not self._ahead_of_head(s.work, s.round, s.new_hash):
             return None, claim
         return verdict, StateClaim(round=s.round, state_hash=s.new_hash, work=s.work, donors=(donor,))
 
     # --- internals ------------------------------------------------------------------------------------------------
+    def _ahead_of_head(self, work: int, round_number: int, state_hash: str) -> bool:
+        """Whether a state is worth moving to from ours: it outranks ours (fork choice), or it is the checkpointed
+        state and ours precedes the checkpoint (a heavier chain adopted before the checkpoint arrived)."""
+        h, cp = self.head, self.gate.checkpoint
+        if cp is not None and (round_number, state_hash) == (cp.round, cp.state_hash):
+            return cp.precedes(h.round, h.state_hash)
+        return outranks((work, round_number, state_hash), (h.work, h.round, h.state_hash))
+
     def _claims(self, records: Mapping[str, PeerRecord]) -> list[StateClaim]:
-        h = self.head
+        """Claims worth checking, best first. With an authority checkpoint, none before it or beside it (whatever
+        work they claim), and the checkpointed state itself first: a heavier fabricated chain cannot crowd it out."""
+        h, cp = self.head, self.gate.checkpoint
         claims = better_claims(records, round_number=h.round, state_hash=h.state_hash, work=h.work,
                                genesis_hash=self.genesis_hash)
-        return [c for c in claims if (c.round, c.state_hash) not in self._refused]
+        claims = [c for c in claims if (c.round, c.state_hash) not in self._refused]
+        if cp is None:
+            return claims
+        claims = [c for c in claims if not cp.precedes(c.round, c.state_hash)]
+        if cp.precedes(h.round, h.state_hash) and not any((c.round, c.state_hash) == (cp.round, cp.state_hash)
+                                                          for c in claims):
+            holders = sorted(p for p, r in records.items() if (r.round, r.state_hash) == (cp.round, cp.state_hash))
+            if holders:
+                claims.append(StateClaim(round=cp.round, state_hash=cp.state_hash,
+                                         work=records[holders[0]].work, donors=tuple(holders)))
+        return sorted(claims, key=lambda c: (c.round, c.state_hash) != (cp.round, cp.state_hash))
 
     def _accept(self, claim: StateClaim, verdict: Certificate | None,
                 records: Mapping[str, PeerRecord]) -> Behind | None:
         if not isinstance(verdict, Certificate) or verdict.statement.work != claim.work:
             return None
-        # Here unverified claims do count: the fewer peers a certificate must speak for, the easier a colluding
-        # minority's own chain would be adopted.
-        active = active_past_genesis(self._not_liars(records))
-        if not supports(verdict.statement, active):
-            logger.info("round %d %s…: its certificate speaks for %d peers, we see %d past genesis; not adopting",
-                        claim.round, short_hash(claim.state_hash), verdict.statement.swarm, active)
+        if not self._speaks_for_us(claim, verdict, records):
             return None
         donors = [p for p in claim.donors if p != self.transport.peer_id]
         if not donors:
             return None
         return Behind(round=claim.round, state_hash=claim.state_hash, donors=donors, work=claim.work,
                       certificate=verdict)
+
+    def _speaks_for_us(self, claim: StateClaim, verdict: Certificate, records: Mapping[str, PeerRecord]) -> bool:
+        """Whether a verified certificate speaks for the swarm we see. The state the authority's newest checkpoint
+        names does; any other is weighed by its signers' seniority in that checkpoint, and only where nobody we see
+        is senior yet (or there is no checkpoint) by how many peers its group was a majority of. Unverified claims
+        do count here: the fewer peers a certificate must speak for, the easier a colluding minority's own chain
+        would be adopted."""
+        cp, s = self.gate.checkpoint, verdict.statement
+        if cp is not None and (s.round, s.new_hash) == (cp.round, cp.state_hash):
+            return True
+        seen = self._not_liars(records)
+        active = {p for p, r in seen.items() if r.round >= 1} | {self.transport.peer_id}
+        signers = set(verdict.signatures) & set(s.members)
+        weighed = supports_by_seniority(cp, signers, active)
+        if weighed is not None:
+            if not weighed:
+                logger.info("round %d %s…: its signers hold %d of the %d seniority we see; not adopting",
+                            claim.round, short_hash(claim.state_hash), cp.weight(signers) if cp else 0,
+                            cp.weight(active) if cp else 0)
+            return weighed
+        if not supports(s, active_past_genesis(seen)):
+            logger.info("round %d %s…: its certificate speaks for %d peers, we see %d past genesis; not adopting",
+                        claim.round, short_hash(claim.state_hash), s.swarm, active_past_genesis(seen))
+            return False
+        return True
 
     async def _fetch_verdict(self, claim: StateClaim) -> tuple[Certificate | None, str]:
         """A valid certificate for the claim, or for a newer state of the same claimant that still outranks ours,
@@ -193,8 +234,7 @@ class Chain:
                 continue
             s = cert.statement
             problem = self.verify(cert)
-            if not problem and not outranks((s.work, s.round, s.new_hash),
-                                             (self.head.work, self.head.round, self.head.state_hash)):
+            if not problem and not self._ahead_of_head(s.work, s.round, s.new_hash):
                 problem = f"it certifies round {s.round}, which does not outrank ours"
             if not problem:
                 self._remember((s.round, s.new_hash), cert)

@@ -21,7 +21,7 @@ import uvloop
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
-from swarmloco.protocol.base.records import PeerRecord, peers_key, revocations_key
+from swarmloco.protocol.base.records import PeerRecord, checkpoint_key, peers_key, revocations_key
 from swarmloco.protocol.base.text import short_id
 from swarmloco.protocol.network.config import NetworkConfig
 from swarmloco.protocol.network.data_plane import hosts_from_maddrs
@@ -35,7 +35,7 @@ T = TypeVar("T")
 
 
 MAX_VERIFIED = 4096
-REVOCATIONS_EVERY_S = 15.0  # how often the authority's revocation list is re-read from the DHT
+REVOCATIONS_EVERY_S = 15.0  # how often the authority's revocation list and checkpoint are re-read from the DHT
 
 
 class SwarmNode:
@@ -240,6 +240,18 @@ class SwarmNode:
             logger.info("the run's authority revoked %d peer(s) (list %d)", len(self.gate.revoked), self.gate.serial)
             if self.peer_id in self.gate.revoked:
                 logger.error("this peer is revoked by the run's authority: other peers refuse it")
+        try:
+            found = await loop.run_in_executor(None, lambda: dht.get(
+                checkpoint_key(self.net.run_id), latest=True, return_future=True).result(timeout=10))
+        except Exception as exc:  # looked up again on the next heartbeat
+            logger.debug("reading the checkpoint: %r", exc)
+            return
+        item = found.value.get(authority) if found is not None and isinstance(found.value, dict) else None
+        if item is not None and self.gate.update_checkpoint(getattr(item, "value", None)):
+            cp = self.gate.checkpoint
+            assert cp is not None
+            logger.info("the run's authority checkpointed round %d %s… (%d seniors)", cp.round, cp.state_hash[:12],
+                        len(cp.seniors))
 
     async def fetch_records(self, *, timeout: float) -> dict[str, PeerRecord]:
         """Every other admitted peer's live record of this run, signed by that peer (anything else is dropped)."""

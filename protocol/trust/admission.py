@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from swarmloco.protocol.base.text import short_id
+from swarmloco.protocol.trust.checkpoints import Checkpoint, CheckpointError
 from swarmloco.protocol.trust.identity import Identity, verify
 
 __all__ = [
@@ -211,6 +212,7 @@ class Gate:
     revoked: frozenset[str] = frozenset()
     serial: int = -1
     clock: Any = time.time
+    checkpoint: Checkpoint | None = None  # the newest authority checkpoint seen (swarmloco.protocol.trust.checkpoints)
 
     @property
     def open(self) -> bool:
@@ -243,6 +245,19 @@ class Gate:
         if rev.serial <= self.serial:
             return False
         self.revoked, self.serial = frozenset(rev.peer_ids), rev.serial
+        return True
+
+    def update_checkpoint(self, value: Any) -> bool:
+        """Adopt a newer signed checkpoint of the run's authority; returns whether it is new. Bad ones are ignored."""
+        if self.authority is None:
+            return False
+        try:
+            cp = Checkpoint.parse(value, run_id=self.run_id, authority=self.authority)
+        except CheckpointError:
+            return False
+        if not cp.newer_than(self.checkpoint):
+            return False
+        self.checkpoint = cp
         return True
 
 

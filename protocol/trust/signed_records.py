@@ -1,5 +1,5 @@
 """Signed DHT records: a peer's record is accepted only under its own subkey, signed by it, with its ticket and a
-bounded expiry; the run authority's revocation list only under the authority's subkey.
+bounded expiry; the run authority's revocation list and checkpoint only under the authority's subkey.
 
 Every DHT node of the run runs `RunValidator` (hivemind calls it on every store it is asked to keep and on every
 value a lookup returns), and every reader checks the envelope again with `open_record` before trusting a record,
@@ -20,9 +20,10 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from swarmloco.protocol.base.records import MAX_RECORD_TTL_S, PeerRecord, peers_key, revocations_key
+from swarmloco.protocol.base.records import MAX_RECORD_TTL_S, PeerRecord, checkpoint_key, peers_key, revocations_key
 from swarmloco.protocol.base.text import short_id
 from swarmloco.protocol.trust.admission import Gate, Revocations
+from swarmloco.protocol.trust.checkpoints import MAX_CHECKPOINT_TTL_S, Checkpoint
 from swarmloco.protocol.trust.identity import Identity, verify
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class RunValidator(RecordValidatorBase):
         self.run_id, self.authority = run_id, authority
         self._peers = key_id(peers_key(run_id))
         self._revoked = key_id(revocations_key(run_id))
+        self._checkpoint = key_id(checkpoint_key(run_id))
 
     def validate(self, record: DHTRecord) -> bool:
         try:
@@ -115,6 +117,14 @@ class RunValidator(RecordValidatorBase):
             # The expiry is not signed: bound it by the signing time, so nobody stores an old list with a longer
             # life than the authority's newer one.
             return record.expiration_time <= rev.issued_at + MAX_REVOCATION_TTL_S + EXPIRY_SKEW_S
+        if record.key == self._checkpoint:
+            if self.authority is None or subkey != self.authority:
+                return False
+            try:
+                cp = Checkpoint.parse(value, run_id=self.run_id, authority=self.authority)
+            except ValueError:
+                return False
+            return record.expiration_time <= cp.issued_at + MAX_CHECKPOINT_TTL_S + EXPIRY_SKEW_S
         return False
 
     @property

@@ -97,7 +97,10 @@ def test_ingest_and_listings(server: CoordinatorServer, ids: list[Identity]) -> 
     assert requests.get(server.url + "/healthz", timeout=10).json()["status"] == "ok"
     schema = requests.get(server.url + "/openapi.json", timeout=10).json()
     assert {"/api/runs", "/api/peers", "/api/rounds", "/api/metrics", "/api/reports", "/api/authority",
-            "/api/tickets", "/api/revocations"} <= set(schema["paths"])
+            "/api/tickets", "/api/revocations", "/api/checkpoint"} <= set(schema["paths"])
+    # the one certified round claims work its credit does not add up to: nothing for the authority to vouch for
+    answer = requests.get(server.url + "/api/checkpoint", timeout=10)
+    assert answer.status_code == 404 and "no checkpoint yet" in answer.json()["error"]
     html = requests.get(server.url + "/", timeout=10)
     assert html.status_code == 200 and "chart.umd.min.js" in html.text
 

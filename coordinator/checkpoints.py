@@ -1,0 +1,134 @@
+"""The authority's checkpoints: the heaviest certified chain it can vouch for, and each member's seniority on it.
+
+Every `every_s` seconds the coordinator reads the certified rounds peers reported (each certificate verified on
+arrival) and signs a `swarmloco.protocol.trust.checkpoints.Checkpoint` for the heaviest state whose chain of
+certificates (each one's previous hash the state of the one before) reaches back to its previous checkpoint, or to
+round 1 for the first. Along that chain it checks what no single certificate shows:
+- each statement's work is its parent's plus its own credit, so a chain cannot claim work it did not certify;
+- after the first checkpoint, each round's signers hold at least half the seniority of the seniors active lately
+  (seen within three checkpoint periods, at least the online window): identities nobody credited cannot extend
+  the chain while seniors are around. With every senior gone that long, any certified extension is taken: the
+  run goes on without them rather than stopping.
+Seniority is carried forward: the previous checkpoint's (tokens, rounds) per peer plus the credit of every round
+after it on the chain. The newest checkpoint is kept in the store, so a restarted coordinator goes on from it.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from swarmloco.protocol.trust.certificates import Certificate, Statement
+from swarmloco.protocol.trust.checkpoints import Checkpoint, CheckpointError
+from swarmloco.protocol.trust.identity import Identity
+
+logger = logging.getLogger(__name__)
+MAX_ROUNDS_READ = 20_000  # certified rounds read per checkpoint (those after the previous checkpoint)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    every_s: float = 120.0  # how often the authority signs a checkpoint (0: never)
+
+    def __post_init__(self) -> None:
+        if not (self.every_s == 0 or 5 <= self.every_s <= 86_400):
+            raise ValueError(f"checkpoint every_s: got {self.every_s}, allowed 0 (off) or 5 .. 86400")
+
+
+class Checkpointer:
+    """Builds and keeps the run's newest checkpoint; `store` provides `certified_after(run_id, round, limit)`,
+    `online_peers(run_id, since)`, `latest_checkpoint(run_id)` and `save_checkpoint(run_id, value)`."""
+
+    def __init__(self, store, identity: Identity, run_id: str, *, active_window_s: float,  # type: ignore[no-untyped-def]
+                 clock: Callable[[], float] = time.time) -> None:
+        self.store, self.identity, self.run_id, self.clock = store, identity, run_id, clock
+        self.active_window_s = active_window_s
+        self.latest: Checkpoint | None = None
+        saved = store.latest_checkpoint(run_id)
+        if saved is not None:
+            try:
+                self.latest = Checkpoint.parse(saved, run_id=run_id, authority=identity.peer_id)
+            except CheckpointError as exc:
+                logger.warning("ignoring the stored checkpoint: %s", exc)
+
+    def refresh(self) -> Checkpoint | None:
+        """Sign a checkpoint for the heaviest chain that extends the previous one, if there is a newer state;
+        returns the newest checkpoint (re-signed with a fresh time when the chain has not moved)."""
+        prev = self.latest
+        found = self._extend(prev)
+        if found is None and prev is None:
+            return None
+        if found is None:
+            assert prev is not None
+            head, seniors = (prev.round, prev.state_hash, prev.work), {p: (t, r) for p, t, r in prev.seniors}
+        else:
+            head, seniors = found
+        cp = Checkpoint.issue(self.identity, run_id=self.run_id, round=head[0], state_hash=head[1], work=head[2],
+                              seniors=seniors, now=self.clock())
+        if prev is None or (cp.round, cp.state_hash) != (prev.round, prev.state_hash):
+            logger.info("checkpoint: round %d %s… (work %d, %d seniors)", cp.round, cp.state_hash[:12], cp.work,
+                        len(cp.seniors))
+        self.store.save_checkpoint(self.run_id, cp.to_value())
+        self.latest = cp
+        return cp
+
+    def _extend(self, prev: Checkpoint | None) -> tuple[tuple[int, str, int], dict[str, tuple[int, int]]] | None:
+        after = prev.round if prev is not None else 0
+        by_hash: dict[str, Certificate] = {}
+        for text in self.store.certified_after(self.run_id, after, MAX_ROUNDS_READ):
+            try:
+                cert = Certificate.from_bytes(text.encode())
+            except ValueError:
+                continue
+            s = cert.statement
+            if s.new_hash not in by_hash or s.work > by_hash[s.new_hash].statement.work:
+                by_hash[s.new_hash] = cert
+        online = set(self.store.online_peers(self.run_id, self.clock() - self.active_window_s))
+        for cert in sorted(by_hash.values(), key=lambda c: (-c.statement.work, -c.statement.round)):
+            chain = self._chain_to(cert, by_hash, prev)
+            if chain is None or not all(self._senior_enough(c, prev, online) for c in chain):
+                continue
+            seniors = {p: (t, r) for p, t, r in prev.seniors} if prev is not None else {}
+            for c in chain:
+                for member, credit in zip(c.statement.members, c.statement.credited, strict=True):
+                    tokens, rounds = seniors.get(member, (0, 0))
+                    seniors[member] = (tokens + credit, rounds + (credit > 0))
+            s = cert.statement
+            return (s.round, s.new_hash, s.work), seniors
+        return None
+
+    @staticmethod
+    def _chain_to(cert: Certificate, by_hash: dict[str, Certificate],
+                  prev: Checkpoint | None) -> list[Certificate] | None:
+        """The certificates from just after `prev` (or round 1) up to `cert`, oldest first, each extending the
+        one before with consistent work; None when the chain breaks."""
+        chain = [cert]
+        while True:
+            s = chain[-1].statement
+            if prev is not None and s.round == prev.round + 1 and s.prev_hash == prev.state_hash:
+                return _consistent(chain[::-1], prev.work)
+            if prev is None and s.round == 1:
+                return _consistent(chain[::-1], 0)
+            parent = by_hash.get(s.prev_hash)
+            if parent is None or parent.statement.round != s.round - 1 or len(chain) > len(by_hash):
+                return None
+            chain.append(parent)
+
+    @staticmethod
+    def _senior_enough(cert: Certificate, prev: Checkpoint | None, online: Iterable[str]) -> bool:
+        if prev is None:
+            return True
+        total = prev.weight(online)
+        signers = set(cert.signatures) & set(cert.statement.members)
+        return total <= 0 or 2 * prev.weight(signers) >= total
+
+
+def _consistent(chain: list[Certificate], base_work: int) -> list[Certificate] | None:
+    work = base_work
+    for cert in chain:
+        s: Statement = cert.statement
+        work += sum(s.credited)
+        if s.work != work:
+            return None
+    return chain
