@@ -15,6 +15,7 @@ live in :mod:`swarmloco.coordinator.authority`.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -88,6 +89,9 @@ class ServiceConfig:
             raise ValueError(f"max_runs must be in [1, 1000000], got {self.max_runs}")
 
 
+MIN_CHECKPOINT_GAP_S = 5.0  # checkpoints are not re-signed more often than this, however often they are asked for
+
+
 class CoordinatorService:
     """Everything the HTTP layer calls; owns no sockets and no SQL.
 
@@ -113,13 +117,17 @@ class CoordinatorService:
         self.started_at = clock()
 
     def checkpoint(self, *, refresh: bool = False) -> dict[str, Any] | None:
-        """The newest signed checkpoint, as published (None: none yet, or no authority); `refresh`: sign a new one
-        first when the last is older than `checkpoints.every_s`."""
+        """The newest signed checkpoint, as published (None: none yet, or no authority); `refresh`: first sign a new
+        one when the last is older than `checkpoints.every_s`, or (at most every few seconds) when rounds were
+        certified after it."""
         cp = self.checkpoints
         if cp is None:
             return None
-        if refresh and (cp.latest is None or self.clock() - cp.latest.issued_at >= self.config.checkpoints.every_s):
-            cp.refresh()
+        if refresh:
+            age = self.clock() - cp.latest.issued_at if cp.latest is not None else math.inf
+            moved = cp.latest is None or bool(self.store.certified_after(self.config.run_id, cp.latest.round, 1))
+            if age >= self.config.checkpoints.every_s or (moved and age >= MIN_CHECKPOINT_GAP_S):
+                cp.refresh()
         return None if cp.latest is None else cp.latest.to_value()
 
     # -- ingest ----------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Coordinator end to end, with real swarms (`swarmloco swarm`) reporting to a real coordinator process.
 
 (a) `swarmloco swarm --peers 3 --rounds 3` with the coordinator it starts itself: `/api/rounds` lists the rounds
-    with the members and state hashes of the swarm's summary, `/metrics` counts them, `swarmloco status` prints them.
+    with the members and state hashes of the swarm's summary, `/metrics` counts them, `swarmloco status` prints
+    them, and `/api/checkpoint` vouches for the last one with each member's credited work.
 (b) After round 3 the coordinator hangs (SIGSTOP), then dies (SIGKILL), and is restarted on the same port and
     database some seconds later: training goes on at the same speed meanwhile, and every round done during the
     outage shows up once it is back, reported by every member exactly once.
@@ -200,8 +201,7 @@ def finished(proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
 @pytest.mark.timeout(300)
 def test_swarm_with_its_own_coordinator(procs: Procs, tmp_path: Path) -> None:
     """(a) The default `swarmloco swarm` starts a coordinator, prints its dashboard URL, and its peers report there:
-    the rounds it lists (members, hashes) are the rounds of the swarm's summary, /metrics counts them, and
-    `swarmloco status` prints them. Checked live while the swarm runs, and from the database afterwards."""
+    the rounds it lists are the rounds of the swarm's summary. Checked live, and from the database afterwards."""
     work, summary_path = tmp_path / "swarm", tmp_path / "summary.json"
     swarm = procs.swarm(work, "--peers", "3", "--rounds", "3", "--inner-steps", "10", "--run-id", "e2e-a",
                         "--summary-json", str(summary_path), *PEER_ARGS)
@@ -226,8 +226,7 @@ def test_swarm_with_its_own_coordinator(procs: Procs, tmp_path: Path) -> None:
     ids = peer_ids(work, 3)
 
     # afterwards: the launcher stopped its coordinator; its database holds the whole run
-    _, info = procs.coordinator(work / "coordinator.sqlite", "e2e-a")
-    url = info["url"]
+    url = procs.coordinator(work / "coordinator.sqlite", "e2e-a")[1]["url"]
     rounds = all_rounds(url, "e2e-a")
     assert [r["round"] for r in summary["rounds"]] == [1, 2, 3]
     assert sorted((r["round"], r["outcome"]) for r in rounds) == [(n, "committed") for n in (1, 2, 3)], rounds
@@ -247,20 +246,22 @@ def test_swarm_with_its_own_coordinator(procs: Procs, tmp_path: Path) -> None:
         assert p["last_train_loss"] is not None, p  # an eval-only sample must not blank the last training loss
         assert p["left_at"] is not None, p  # each peer said bye when it finished
 
+    # the authority vouches for the run's head, and for the work each member did on that chain
+    checkpoint = get(url, "/api/checkpoint")
+    last = summary["rounds"][-1]
+    assert (checkpoint["round"], checkpoint["state_hash"]) == (3, next(iter(set(last["hashes"].values())))), checkpoint
+    credited = {p: sum(c for r in rounds for m, c in zip(r["members"], r["tokens"], strict=True) if m == p)
+                for p in ids.values()}
+    assert {p: t for p, t, _ in checkpoint["seniors"]} == {p: t for p, t in credited.items() if t}, checkpoint
+    assert {p["peer_id"]: p["credited_tokens"] for p in peers} == credited
+
     prom = get(url, "/metrics")
     assert 'swarmloco_rounds_total{outcome="committed"} 3.0' in prom, prom
     reports = float(sum(len(r["members"]) for r in rounds))
     assert f"swarmloco_round_duration_seconds_count {reports}" in prom, prom  # one per member and round
 
-    status = subprocess.run(
-        [sys.executable, "-m", "swarmloco.cli", "status", "--coordinator", url],
-        cwd=ROOT,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    status = subprocess.run([sys.executable, "-m", "swarmloco.cli", "status", "--coordinator", url], cwd=ROOT,
+                            env=child_env(), capture_output=True, text=True, timeout=60, check=False)
     assert status.returncode == 0, status.stderr
     out = status.stdout
     assert "run e2e-a: 0 of 3 peers online" in out, out
@@ -278,11 +279,8 @@ def _round_speed(workdir: Path, n: int, lo: float, hi: float) -> tuple[list[floa
     for i in range(n):
         events = [e for e in peer_events(workdir / f"peer-{i}", "round") if e.get("outcome") == "committed"]
         train += [e["train_s"] for e in events if lo <= e["time"] - e["train_s"] and e["time"] <= hi]
-        gaps += [
-            b["time"] - a["time"]
-            for a, b in itertools.pairwise(events)
-            if b["round"] == a["round"] + 1 and lo <= a["time"] and b["time"] <= hi
-        ]
+        gaps += [b["time"] - a["time"] for a, b in itertools.pairwise(events)
+                 if b["round"] == a["round"] + 1 and lo <= a["time"] and b["time"] <= hi]
     return train, gaps
 
 
@@ -376,6 +374,15 @@ def test_coordinator_down_mid_run(procs: Procs, tmp_path: Path) -> None:
     assert {r["round"]: next(iter(r["hashes"].values())) for r in summary["rounds"]} == {
         r["round"]: r["state_hash"] for r in rounds
     }
+    # the authority vouches for the run's head, and for the work each member did on that chain
+    checkpoint = get(url, "/api/checkpoint")
+    last = summary["rounds"][-1]
+    assert (checkpoint["round"], checkpoint["state_hash"]) == (3, next(iter(set(last["hashes"].values())))), checkpoint
+    credited = {p: sum(c for r in rounds for m, c in zip(r["members"], r["tokens"], strict=True) if m == p)
+                for p in ids.values()}
+    assert {p: t for p, t, _ in checkpoint["seniors"]} == {p: t for p, t in credited.items() if t}, checkpoint
+    assert {p["peer_id"]: p["credited_tokens"] for p in peers} == credited
+
     prom = get(url, "/metrics")
     assert f'swarmloco_rounds_total{{outcome="committed"}} {float(total)}' in prom, prom
 

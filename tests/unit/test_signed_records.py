@@ -8,8 +8,9 @@ import pytest
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from swarmloco.protocol.base.records import MAX_RECORD_TTL_S, PeerRecord, peers_key, revocations_key
+from swarmloco.protocol.base.records import MAX_RECORD_TTL_S, PeerRecord, checkpoint_key, peers_key, revocations_key
 from swarmloco.protocol.trust.admission import Gate, Revocations, Ticket
+from swarmloco.protocol.trust.checkpoints import MAX_CHECKPOINT_TTL_S, Checkpoint
 from swarmloco.protocol.trust.identity import Identity
 from swarmloco.protocol.trust.signed_records import (
     RecordError,
@@ -113,3 +114,22 @@ def test_an_old_revocation_list_cannot_be_stored_with_a_longer_life() -> None:
 
     assert not validator.validate(rec(old, get_dht_time() + 300))
     assert validator.validate(rec(fresh, get_dht_time() + 120))
+
+
+def test_only_the_authority_publishes_a_checkpoint_and_not_for_longer_than_it_lives() -> None:
+    validator = RunValidator(RUN, AUTHORITY.peer_id)
+
+    def rec(subkey: str, value: object, expires: float) -> DHTRecord:
+        return DHTRecord(key_id(checkpoint_key(RUN)), MSGPackSerializer.dumps(subkey),
+                         MSGPackSerializer.dumps(value), expires)
+
+    now = get_dht_time()
+    value = Checkpoint.issue(AUTHORITY, run_id=RUN, round=7, state_hash="c" * 64, work=700,
+                             seniors={VICTIM.peer_id: (700, 7)}, now=now).to_value()
+    assert validator.validate(rec(AUTHORITY.peer_id, value, now + 300))
+    assert not validator.validate(rec(AUTHORITY.peer_id, value, now + MAX_CHECKPOINT_TTL_S + 120))
+    fake = Checkpoint.issue(ATTACKER, run_id=RUN, round=9, state_hash="f" * 64, work=10**12,
+                            seniors={ATTACKER.peer_id: (10**12, 99)}, now=now).to_value()
+    assert not validator.validate(rec(ATTACKER.peer_id, fake, now + 300))
+    assert not validator.validate(rec(AUTHORITY.peer_id, {**fake, "authority": AUTHORITY.peer_id}, now + 300))
+    assert not RunValidator(RUN, None).validate(rec(AUTHORITY.peer_id, value, now + 300))  # a private swarm
