@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from swarmloco.protocol.trust.admission import Gate
 from swarmloco.protocol.trust.certificates import Certificate, Statement
 from swarmloco.protocol.trust.checkpoints import Checkpoint, CheckpointError
 from swarmloco.protocol.trust.identity import Identity
@@ -41,8 +42,9 @@ class Checkpointer:
     `online_peers(run_id, since)`, `latest_checkpoint(run_id)` and `save_checkpoint(run_id, value)`."""
 
     def __init__(self, store, identity: Identity, run_id: str, *, active_window_s: float,  # type: ignore[no-untyped-def]
-                 clock: Callable[[], float] = time.time) -> None:
+                 gate: Callable[[], Gate], clock: Callable[[], float] = time.time) -> None:
         self.store, self.identity, self.run_id, self.clock = store, identity, run_id, clock
+        self._gate = gate  # how signers are checked now (tickets, revocations)
         self.active_window_s = active_window_s
         self.latest: Checkpoint | None = None
         saved = store.latest_checkpoint(run_id)
@@ -51,6 +53,10 @@ class Checkpointer:
                 self.latest = Checkpoint.parse(saved, run_id=run_id, authority=identity.peer_id)
             except CheckpointError as exc:
                 logger.warning("ignoring the stored checkpoint: %s", exc)
+
+    @property
+    def gate(self) -> Gate:
+        return self._gate()
 
     def refresh(self) -> Checkpoint | None:
         """Sign a checkpoint for the heaviest chain that extends the previous one, if there is a newer state;
@@ -115,13 +121,12 @@ class Checkpointer:
                 return None
             chain.append(parent)
 
-    @staticmethod
-    def _senior_enough(cert: Certificate, prev: Checkpoint | None, online: Iterable[str]) -> bool:
+    def _senior_enough(self, cert: Certificate, prev: Checkpoint | None, online: Iterable[str]) -> bool:
         if prev is None:
             return True
         total = prev.weight(online)
-        signers = set(cert.signatures) & set(cert.statement.members)
-        return total <= 0 or 2 * prev.weight(signers) >= total
+        # only signatures that count: a junk signature under a senior's id weighs nothing
+        return total <= 0 or 2 * prev.weight(cert.valid_signers(self.gate)) >= total
 
 
 def _consistent(chain: list[Certificate], base_work: int) -> list[Certificate] | None:

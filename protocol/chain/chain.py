@@ -196,7 +196,7 @@ class Chain:
             return True
         seen = self._not_liars(records)
         active = {p for p, r in seen.items() if r.round >= 1} | {self.transport.peer_id}
-        signers = set(verdict.signatures) & set(s.members)
+        signers = verdict.valid_signers(self.gate)  # a junk signature under a senior's id weighs nothing
         weighed = supports_by_seniority(cp, signers, active)
         if weighed is not None:
             if not weighed:

@@ -187,34 +187,36 @@ class Certificate:
         malformed = s.problem()
         if malformed:
             return f"malformed statement: {malformed}"
-        members = set(s.members)
-        body = s.body()
-        valid, refused = 0, []
-        # Signatures that do not count are skipped, not fatal: two peers whose revocation lists differ by one
-        # signer then still agree on a certificate that has enough of the others.
-        for signer, signature in self.signatures.items():
-            if signer not in members:
-                refused.append(f"{short_id(signer)} is not a member")
-                continue
-            # A signature made while its ticket was valid stays valid for a while: a peer resuming from a
-            # checkpoint still proves its state. Revocation applies at once.
-            not_admitted = gate.check(self.tickets.get(signer), signer, role="trainer", grace_s=SIGNER_GRACE_S)
-            if not_admitted:
-                refused.append(f"{short_id(signer)} is not admitted: {not_admitted}")
-                continue
-            try:
-                raw = bytes.fromhex(signature)
-            except ValueError:
-                raw = b""
-            if not verify(signer, body, raw):
-                refused.append(f"signature of {short_id(signer)} is invalid")
-                continue
-            valid += 1
+        refused: list[str] = []
+        valid = len(self.valid_signers(gate, refused=refused))
         wanted = need(s.swarm, quorum)
         if valid < wanted:
             why = f" ({'; '.join(refused[:3])})" if refused else ""
             return f"{valid} valid signature(s), {wanted} needed for a swarm of {s.swarm}{why}"
         return ""
+
+    def valid_signers(self, gate: Gate, *, refused: list[str] | None = None) -> set[str]:
+        """The members whose signatures count: admitted (per `gate`) and valid over the statement. Signatures that
+        do not count are skipped, not fatal: two peers whose revocation lists differ by one signer then still agree
+        on a certificate that has enough of the others. `refused` collects why each one was skipped."""
+        s = self.statement
+        members, body, valid = set(s.members), s.body(), set()
+        for signer, signature in self.signatures.items():
+            why = ""
+            if signer not in members:
+                why = f"{short_id(signer)} is not a member"
+            # A signature made while its ticket was valid stays valid for a while: a peer resuming from a
+            # checkpoint still proves its state. Revocation applies at once.
+            elif not_admitted := gate.check(self.tickets.get(signer), signer, role="trainer",
+                                            grace_s=SIGNER_GRACE_S):
+                why = f"{short_id(signer)} is not admitted: {not_admitted}"
+            elif not signed_by(signer, body, signature):
+                why = f"signature of {short_id(signer)} is invalid"
+            if why and refused is not None:
+                refused.append(why)
+            elif not why:
+                valid.add(signer)
+        return valid
 
 
 @dataclass(frozen=True)

@@ -122,16 +122,18 @@ def _honest_swarm(net: FakeNetwork) -> tuple[list[Averager], list]:  # type: ign
 
 
 def _sybils_serve(net: FakeNetwork, *, k: int, round_number: int, prev_hash: str, new_hash: str,
-                  work: int) -> FakeTransport:
-    """k admitted sybils sign a valid certificate among themselves (a swarm of k); one of them serves it."""
+                  work: int, posing_as: tuple[str, ...] = ()) -> FakeTransport:
+    """k admitted sybils sign a valid certificate among themselves (a swarm of k); one of them serves it.
+    `posing_as`: peers also named as members, with junk in place of their signatures."""
     server_t = _ticketed(net.peer())
     signers = [server_t.credentials.identity, *(_key() for _ in range(k - 1))]
-    members = tuple(sorted(s.peer_id for s in signers))
+    members = tuple(sorted([s.peer_id for s in signers] + list(posing_as)))
     statement = Statement(run_id=server_t.run_id, round=round_number, prev_hash=prev_hash, new_hash=new_hash,
-                          members=members, weights=tuple(10**6 for _ in members), swarm=k, work=work)
+                          members=members, weights=tuple(10**6 for _ in members), swarm=len(members), work=work)
     tickets = {s.peer_id: Ticket.issue(AUTHORITY, run_id=server_t.run_id, peer_id=s.peer_id).to_bytes().decode()
                for s in signers}
-    cert = Certificate(statement, {s.peer_id: Certificate.sign(s, statement) for s in signers}, tickets)
+    signatures = {s.peer_id: Certificate.sign(s, statement) for s in signers} | {p: "ab" * 64 for p in posing_as}
+    cert = Certificate(statement, signatures, tickets)
     bad = averager_for(server_t, quorum=2, gate=Gate(server_t.run_id, AUTHORITY.peer_id))
     serve_state(bad).publish(ServedState(round=round_number, state_hash=new_hash, blob=b"\x00" * 64,
                                          certificate=cert.to_bytes()))
@@ -167,6 +169,19 @@ def test_sybils_certifying_a_state_ahead_are_not_followed(net: FakeNetwork, k: i
         assert targets == [None] * 3
     else:  # the control: a valid certificate of k admitted signers is followed by fork choice
         assert all(isinstance(t, Behind) and t.state_hash == "f" * 64 for t in targets), targets
+
+
+def test_junk_signatures_under_seniors_ids_weigh_nothing(net: FakeNetwork) -> None:
+    """Ten sybils name the three seniors as co-signers, with junk for their signatures: the certificate is still
+    valid (junk signatures are skipped, ten valid ones remain), but only valid signatures carry seniority."""
+    honest, _ = _honest_swarm(net)
+    head = honest[0].head
+    _hand_out(honest, Checkpoint.issue(AUTHORITY, run_id=head.certificate.statement.run_id, round=head.round,
+                                       state_hash=head.state_hash, work=head.work,
+                                       seniors={a.transport.peer_id: (300, 3) for a in honest}))
+    _sybils_serve(net, k=10, round_number=head.round + 5, prev_hash=head.state_hash, new_hash="f" * 64,
+                  work=10**12, posing_as=tuple(a.transport.peer_id for a in honest))
+    assert [_target(a) for a in honest] == [None] * 3
 
 
 @pytest.mark.parametrize("checkpointed", [True, False])

@@ -41,16 +41,18 @@ def _state(tag: str, r: int) -> str:
 
 
 def _chain(env: ServiceEnv, signers: Sequence[Identity], tickets: dict[str, str], *, tag: str, rounds: range,
-           prev: str, work: int, weight: int = 100, lie_about_work: bool = False) -> tuple[str, int]:
+           prev: str, work: int, weight: int = 100, lie_about_work: bool = False,
+           posing_as: Sequence[Identity] = ()) -> tuple[str, int]:
     """Certify and report rounds `rounds` signed by `signers`, each extending the last; returns the last state and
-    the chain's work."""
-    members = tuple(sorted(s.peer_id for s in signers))
+    the chain's work. `posing_as`: also named as members, with junk in place of their signatures."""
+    members = tuple(sorted(s.peer_id for s in [*signers, *posing_as]))
     for r in rounds:
         work += weight * len(members)
         s = Statement(run_id="run", round=r, prev_hash=prev, new_hash=_state(tag, r), members=members,
                       weights=tuple(weight for _ in members), swarm=len(members),
                       work=work * (10 if lie_about_work else 1), credit=tuple(weight for _ in members))
-        cert = Certificate(s, {i.peer_id: Certificate.sign(i, s) for i in signers},
+        cert = Certificate(s, {i.peer_id: Certificate.sign(i, s) for i in signers} | {i.peer_id: "ab" * 64
+                                                                                      for i in posing_as},
                            {i.peer_id: tickets[i.peer_id] for i in signers})
         for reporter in signers:
             status, answer = env.report(reporter, "round", certified_round_body(round_body(r, [reporter.peer_id]),
@@ -87,8 +89,10 @@ def test_a_heavier_chain_signed_by_unseasoned_identities_is_not_vouched_for(
     head, work = _chain(env, honest, tickets, tag="h", rounds=range(1, 4), prev=GENESIS, work=0)
     first = _checkpoint(env, authority)
     assert first is not None and first.round == 3
-    # four admitted identities extend the checkpointed state with 100× the weights: heavier, and certified
-    _chain(env, sybils, tickets, tag="s", rounds=range(4, 7), prev=head, work=work, weight=10_000)
+    # four admitted identities extend the checkpointed state with 100× the weights: heavier, and certified; they
+    # name the seniors as co-signers too, with junk for their signatures (skipped: four valid ones suffice)
+    _chain(env, sybils, tickets, tag="s", rounds=range(4, 7), prev=head, work=work, weight=10_000,
+           posing_as=honest)
     cp = _checkpoint(env, authority)
     assert cp is not None and (cp.round, cp.state_hash) == (3, head)  # re-signed, not moved
     assert all(cp.seniority(s.peer_id) == 0 for s in sybils)
