@@ -11,8 +11,9 @@ new state. Every round, g is the gradient of the loss at θ_r on a probe batch n
     z = cos(g, Δ) · √n     (n parameters)
 
 For a Δ drawn independently of g, z is about standard normal; an honest Δ lowers the loss, so its z is large and
-positive. This is the measurement behind the design of verified contributions (a member's credit follows the loss
-decrease its Δ causes on a batch drawn after every Δ is fixed); nothing in the peer uses it yet.
+positive. This is the measurement behind verified credit (swarmloco.protocol.round.credit): g is what every member
+of a round computes with the peer's `CreditProbe`, and the last column is what that costs against one peer's inner
+steps of the round (the probe runs once per round, in the audit).
 """
 from __future__ import annotations
 
@@ -50,18 +51,12 @@ def _flat(tensors: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
     return flatten(tensors, names).cpu()  # the random and zero Δs below are made on the CPU
 
 
-def _probe_gradient(replica: Any, seed: int) -> tuple[torch.Tensor, float]:
-    """∇ loss at θ_r on the task's probe batches for `seed`, flat in the replica's parameter order; and that loss."""
-    model = replica.scratch_model()
-    task = replica.task
-    batches = task.probe(seed) if task.probe is not None else []
-    if not batches:
+def _probe(replica: Any) -> Any:
+    from swarmloco.peer.credit_probe import CreditProbe
+
+    if replica.task.probe is None:
         raise SystemExit("scores: the task has no probe batches (Task.probe)")
-    model.zero_grad()
-    loss = sum(task.loss_fn(model, b) for b in batches) / len(batches)
-    loss.backward()
-    grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in model.named_parameters()}
-    return _flat(grads, replica.names), float(loss.detach())
+    return CreditProbe(replica)  # what every member of a round computes: g at θ_r on batches the seed draws
 
 
 def _z(g: torch.Tensor, delta: torch.Tensor) -> float:
@@ -78,17 +73,22 @@ def run(args: argparse.Namespace) -> int:
     n = sum(replicas[0].global_params[k].numel() for k in names)
     print(f"  {PEERS} replicas, {n:,} parameters, {steps} inner steps per round, {rounds} rounds", flush=True)
     cells: list[dict[str, Any]] = []
+    probe = _probe(replicas[0])
     for r in range(rounds):
         started = time.monotonic()
         for replica in replicas:
             for _ in range(steps):
                 replica.inner_step()
+        train_s = (time.monotonic() - started) / len(replicas)  # one peer's inner steps of the round
         deltas = [replica.pseudo_gradient() for replica in replicas]
         honest = [_flat(d, names) for d in deltas]
-        g, loss = _probe_gradient(replicas[0], seed=1_000_003 * (r + 1))
+        probed = time.monotonic()
+        g = probe(f"round-{r}".encode())
+        probe_s = time.monotonic() - probed
         scale = float(honest[0].norm()) / math.sqrt(n)
         z_honest = [_z(g, d) for d in honest]
-        cell = {"round": r, "probe_loss": loss, "z_honest": z_honest, "z_honest_min": min(z_honest),
+        cell = {"round": r, "train_s": round(train_s, 3), "probe_s": round(probe_s, 3), "z_honest": z_honest,
+                "z_honest_min": min(z_honest),
                 "z_random": _z(g, torch.randn(n, generator=torch.Generator().manual_seed(r)) * scale),
                 "z_zero": _z(g, torch.zeros(n)), "z_scaled_1pct": _z(g, honest[0] * 0.01),
                 "z_negated": _z(g, -honest[0]), "seconds": round(time.monotonic() - started, 2)}
@@ -97,12 +97,13 @@ def run(args: argparse.Namespace) -> int:
         average = {k: torch.stack([d[k] for d in deltas]).mean(0) for k in names}
         for replica in replicas:
             replica.apply_outer(average)
-    rows = [[c["round"], c["probe_loss"], c["z_honest_min"], statistics.mean(c["z_honest"]), c["z_random"],
+    rows = [[c["round"], c["z_honest_min"], statistics.mean(c["z_honest"]), c["z_random"],
              c["z_zero"], c["z_scaled_1pct"], c["z_negated"],
-             c["z_honest_min"] / max(abs(c["z_random"]), 1.0)] for c in cells]
+             c["z_honest_min"] / max(abs(c["z_random"]), 1.0), c["probe_s"] / c["train_s"]] for c in cells]
     print(table("Contribution scores: z = cos(g, Δ)·√n, g the loss gradient at θ_r on a fresh probe batch",
-                ["round", "probe loss", "honest z (min)", "honest z (mean)", "random Δ z", "zero Δ z",
-                 "1% of an honest Δ z", "negated Δ z", "honest min ÷ max(|random|, 1)"], rows,
+                ["round", "honest z (min)", "honest z (mean)", "random Δ z", "zero Δ z",
+                 "1% of an honest Δ z", "negated Δ z", "honest min ÷ max(|random|, 1)",
+                 "probe ÷ one peer's inner steps"], rows,
                 notes=[f"{PEERS} replicas of the default task, {steps} inner steps per round, {n:,} parameters",
                        "a Δ independent of g scores about N(0, 1); z is scale-free, so a shrunken honest Δ scores "
                        "like the honest one: credit must weigh the loss decrease itself, not only its sign"]))

@@ -246,13 +246,7 @@ def test_swarm_with_its_own_coordinator(procs: Procs, tmp_path: Path) -> None:
         assert p["last_train_loss"] is not None, p  # an eval-only sample must not blank the last training loss
         assert p["left_at"] is not None, p  # each peer said bye when it finished
 
-    # the authority vouches for the run's head, and for the work each member did on that chain
-    checkpoint = get(url, "/api/checkpoint")
-    last = summary["rounds"][-1]
-    assert (checkpoint["round"], checkpoint["state_hash"]) == (3, next(iter(set(last["hashes"].values())))), checkpoint
-    credited = {p: sum(c for r in rounds for m, c in zip(r["members"], r["tokens"], strict=True) if m == p)
-                for p in ids.values()}
-    assert {p: t for p, t, _ in checkpoint["seniors"]} == {p: t for p, t in credited.items() if t}, checkpoint
+    credited = _assert_checkpoint(url, summary, rounds, ids)
     assert {p["peer_id"]: p["credited_tokens"] for p in peers} == credited
 
     prom = get(url, "/metrics")
@@ -270,6 +264,18 @@ def test_swarm_with_its_own_coordinator(procs: Procs, tmp_path: Path) -> None:
     for rec in summary["rounds"]:
         line = next(x for x in out.splitlines() if x.split()[:2] == [str(rec["round"]), "committed"])
         assert next(iter(rec["hashes"].values()))[:12] in line, line
+
+
+def _assert_checkpoint(url: str, summary: dict[str, Any], rounds: list[dict[str, Any]],
+                       ids: dict[str, str]) -> dict[str, int]:
+    """The authority vouches for the run's last round, and for the tokens each member was credited on that chain;
+    returns those per peer."""
+    checkpoint, (last,) = get(url, "/api/checkpoint"), summary["rounds"][-1:]
+    assert (checkpoint["round"], checkpoint["state_hash"]) == (last["round"], next(iter(last["hashes"].values())))
+    credited = {p: sum(c for r in rounds for m, c in zip(r["members"], r["tokens"], strict=True) if m == p)
+                for p in ids.values()}
+    assert {p: t for p, t, _ in checkpoint["seniors"]} == {p: t for p, t in credited.items() if t}, checkpoint
+    return credited
 
 
 def _round_speed(workdir: Path, n: int, lo: float, hi: float) -> tuple[list[float], list[float]]:
@@ -374,14 +380,7 @@ def test_coordinator_down_mid_run(procs: Procs, tmp_path: Path) -> None:
     assert {r["round"]: next(iter(r["hashes"].values())) for r in summary["rounds"]} == {
         r["round"]: r["state_hash"] for r in rounds
     }
-    # the authority vouches for the run's head, and for the work each member did on that chain
-    checkpoint = get(url, "/api/checkpoint")
-    last = summary["rounds"][-1]
-    assert (checkpoint["round"], checkpoint["state_hash"]) == (3, next(iter(set(last["hashes"].values())))), checkpoint
-    credited = {p: sum(c for r in rounds for m, c in zip(r["members"], r["tokens"], strict=True) if m == p)
-                for p in ids.values()}
-    assert {p: t for p, t, _ in checkpoint["seniors"]} == {p: t for p, t in credited.items() if t}, checkpoint
-    assert {p["peer_id"]: p["credited_tokens"] for p in peers} == credited
+    _assert_checkpoint(url, summary, rounds, ids)  # vouched for across the outage and the restart
 
     prom = get(url, "/metrics")
     assert f'swarmloco_rounds_total{{outcome="committed"}} {float(total)}' in prom, prom

@@ -127,3 +127,19 @@ def test_a_restarted_coordinator_goes_on_from_its_stored_checkpoint(tmp_path: Pa
         assert {p: (t, r) for p, t, r in cp.seniors} == {i.peer_id: (400, 4) for i in honest}  # carried forward
     finally:
         again.close()
+
+
+def test_a_new_honest_peer_reaches_full_weight_after_its_probation(env: ServiceEnv, authority: Identity,
+                                                                   ids: list[Identity]) -> None:
+    """A peer that joins at round 3 weighs nothing in the checkpoint after round 4 (two credited rounds), and its
+    full credited work once a third round credited it: probation is PROBATION_ROUNDS rounds and one checkpoint."""
+    founders, newcomer = ids[:3], ids[3]
+    tickets = env.admit(*founders, newcomer)
+    head, work = _chain(env, founders, tickets, tag="h", rounds=range(1, 3), prev=GENESIS, work=0)
+    head, work = _chain(env, [*founders, newcomer], tickets, tag="h", rounds=range(3, 5), prev=head, work=work)
+    cp = _checkpoint(env, authority)
+    assert cp is not None and cp.round == 4 and cp.seniority(newcomer.peer_id) == 0
+    assert cp.seniority(founders[0].peer_id) == 400
+    _chain(env, [*founders, newcomer], tickets, tag="h", rounds=range(5, 6), prev=head, work=work)
+    cp = _checkpoint(env, authority)
+    assert cp is not None and cp.round == 5 and cp.seniority(newcomer.peer_id) == 300
