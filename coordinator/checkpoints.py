@@ -15,12 +15,13 @@ after it on the chain. The newest checkpoint is kept in the store, so a restarte
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from swarmloco.protocol.trust.admission import Gate
-from swarmloco.protocol.trust.certificates import Certificate, Statement
+from swarmloco.protocol.trust.certificates import Certificate
 from swarmloco.protocol.trust.checkpoints import Checkpoint, CheckpointError
 from swarmloco.protocol.trust.identity import Identity
 
@@ -45,6 +46,7 @@ class Checkpointer:
                  gate: Callable[[], Gate], clock: Callable[[], float] = time.time) -> None:
         self.store, self.identity, self.run_id, self.clock = store, identity, run_id, clock
         self._gate = gate  # how signers are checked now (tickets, revocations)
+        self._lock = threading.Lock()  # the publisher thread and HTTP requests may both refresh
         self.active_window_s = active_window_s
         self.latest: Checkpoint | None = None
         saved = store.latest_checkpoint(run_id)
@@ -61,6 +63,10 @@ class Checkpointer:
     def refresh(self) -> Checkpoint | None:
         """Sign a checkpoint for the heaviest chain that extends the previous one, if there is a newer state;
         returns the newest checkpoint (re-signed with a fresh time when the chain has not moved)."""
+        with self._lock:
+            return self._refresh()
+
+    def _refresh(self) -> Checkpoint | None:
         prev = self.latest
         found = self._extend(prev)
         if found is None and prev is None:
@@ -80,46 +86,51 @@ class Checkpointer:
         return cp
 
     def _extend(self, prev: Checkpoint | None) -> tuple[tuple[int, str, int], dict[str, tuple[int, int]]] | None:
+        """The heaviest certified state whose chain reaches `prev` (or round 1), and the seniority along it. One
+        pass in round order: a certificate is on a valid chain when its parent is (or it starts at `prev`), its work
+        is its parent's plus its own credit, and its signers are senior enough. Per state, the heaviest valid
+        certificate is kept, so the pass is linear in the rounds read however many certificates a state has."""
         after = prev.round if prev is not None else 0
-        by_hash: dict[str, Certificate] = {}
+        certs = []
         for text in self.store.certified_after(self.run_id, after, MAX_ROUNDS_READ):
             try:
-                cert = Certificate.from_bytes(text.encode())
+                certs.append(Certificate.from_bytes(text.encode()))
             except ValueError:
                 continue
-            s = cert.statement
-            if s.new_hash not in by_hash or s.work > by_hash[s.new_hash].statement.work:
-                by_hash[s.new_hash] = cert
+        certs.sort(key=lambda c: c.statement.round)
         online = set(self.store.online_peers(self.run_id, self.clock() - self.active_window_s))
-        for cert in sorted(by_hash.values(), key=lambda c: (-c.statement.work, -c.statement.round)):
-            chain = self._chain_to(cert, by_hash, prev)
-            if chain is None or not all(self._senior_enough(c, prev, online) for c in chain):
-                continue
-            seniors = {p: (t, r) for p, t, r in prev.seniors} if prev is not None else {}
-            for c in chain:
-                for member, credit in zip(c.statement.members, c.statement.credited, strict=True):
-                    tokens, rounds = seniors.get(member, (0, 0))
-                    seniors[member] = (tokens + credit, rounds + (credit > 0))
+        # (round, state) -> (the heaviest valid certificate of it, its parent's)
+        valid: dict[tuple[int, str], tuple[Certificate, Certificate | None]] = {}
+        for cert in certs:
             s = cert.statement
-            return (s.round, s.new_hash, s.work), seniors
-        return None
-
-    @staticmethod
-    def _chain_to(cert: Certificate, by_hash: dict[str, Certificate],
-                  prev: Checkpoint | None) -> list[Certificate] | None:
-        """The certificates from just after `prev` (or round 1) up to `cert`, oldest first, each extending the
-        one before with consistent work; None when the chain breaks."""
-        chain = [cert]
-        while True:
-            s = chain[-1].statement
             if prev is not None and s.round == prev.round + 1 and s.prev_hash == prev.state_hash:
-                return _consistent(chain[::-1], prev.work)
-            if prev is None and s.round == 1:
-                return _consistent(chain[::-1], 0)
-            parent = by_hash.get(s.prev_hash)
-            if parent is None or parent.statement.round != s.round - 1 or len(chain) > len(by_hash):
-                return None
-            chain.append(parent)
+                parent, base = None, prev.work
+            elif prev is None and s.round == 1:
+                parent, base = None, 0
+            elif (s.round - 1, s.prev_hash) in valid:
+                parent = valid[(s.round - 1, s.prev_hash)][0]
+                base = parent.statement.work
+            else:
+                continue
+            if s.work != base + sum(s.credited) or not self._senior_enough(cert, prev, online):
+                continue
+            key = (s.round, s.new_hash)
+            if key not in valid or s.work > valid[key][0].statement.work:
+                valid[key] = (cert, parent)
+        if not valid:
+            return None
+        head = max((c for c, _ in valid.values()), key=lambda c: (c.statement.work, c.statement.round))
+        chain, cursor = [], head
+        while cursor is not None:
+            chain.append(cursor)
+            cursor = valid[(cursor.statement.round, cursor.statement.new_hash)][1]
+        seniors = {p: (t, r) for p, t, r in prev.seniors} if prev is not None else {}
+        for c in reversed(chain):
+            for member, credit in zip(c.statement.members, c.statement.credited, strict=True):
+                tokens, rounds = seniors.get(member, (0, 0))
+                seniors[member] = (tokens + credit, rounds + (credit > 0))
+        s = head.statement
+        return (s.round, s.new_hash, s.work), seniors
 
     def _senior_enough(self, cert: Certificate, prev: Checkpoint | None, online: Iterable[str]) -> bool:
         if prev is None:
@@ -127,13 +138,3 @@ class Checkpointer:
         total = prev.weight(online)
         # only signatures that count: a junk signature under a senior's id weighs nothing
         return total <= 0 or 2 * prev.weight(cert.valid_signers(self.gate)) >= total
-
-
-def _consistent(chain: list[Certificate], base_work: int) -> list[Certificate] | None:
-    work = base_work
-    for cert in chain:
-        s: Statement = cert.statement
-        work += sum(s.credited)
-        if s.work != work:
-            return None
-    return chain

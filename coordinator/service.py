@@ -36,7 +36,7 @@ from swarmloco.coordinator.authority import (
 )
 from swarmloco.coordinator.checkpoints import CheckpointConfig, Checkpointer
 from swarmloco.coordinator.limits import RateLimiter
-from swarmloco.coordinator.store import Page, Store
+from swarmloco.coordinator.store import Page, Prefer, Store
 from swarmloco.protocol.base.text import bounded, short_hash
 from swarmloco.protocol.trust.certificates import Certificate
 from swarmloco.protocol.trust.identity import Identity
@@ -164,10 +164,30 @@ class CoordinatorService:
             return Answer(status=429, body={"error": "too many reports from this peer; retry with back-off"})
         certificate, uncredited = self._certificate(report)
         stored = self.store.add_report(report, content_hash=digest, received_at=now, certificate=certificate,
-                                       uncredited=uncredited, keep_reports=self.config.keep_reports_per_peer)
+                                       uncredited=uncredited, keep_reports=self.config.keep_reports_per_peer,
+                                       prefer=self._prefer(report.run_id) if certificate is not None else None)
         if not stored.created:  # lost a race with a concurrent copy of the same report
             return self._known(stored.content_hash, digest, stored.response)
         return Answer(status=200, body=stored.response)
+
+    def _prefer(self, run_id: str) -> Prefer | None:
+        """Whether a new certificate of a state the store already holds one of replaces it: when its valid signers
+        hold more seniority in the newest checkpoint. Else the first one stays, so identities nobody credited who
+        certify an honest state first cannot keep its credit, nor break the chain the checkpoints follow. Before any
+        checkpoint (no seniority yet), the first certificate stays."""
+        cp = self.checkpoints.latest if self.checkpoints is not None else None
+        if cp is None:
+            return None
+        gate = self.authority.gate(run_id)  # here, not inside the store's transaction: it reads the store
+
+        def prefer(new: Certificate, stored: str) -> bool:
+            try:
+                old = Certificate.from_bytes(stored.encode())
+            except ValueError:
+                return True
+            return cp.weight(new.valid_signers(gate)) > cp.weight(old.valid_signers(gate))
+
+        return prefer
 
     def _run_refusal(self, run_id: str) -> str:
         if self.store.has_run(run_id) or self.store.run_count() < self.config.max_runs:

@@ -16,7 +16,7 @@ import json
 import logging
 import sqlite3
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -47,13 +47,16 @@ class StoredReport:
     created: bool
 
 
+Prefer = Callable[[Certificate, str], bool]  # (a new certificate, the stored one's text) -> replace it?
+
+
 class Store(Protocol):
     """What the coordinator needs from a database; an implementation must make :meth:`add_report` atomic."""
 
     def find_report(self, peer_id: str, nonce: str) -> StoredReport | None: ...
     def add_report(self, report: Report, *, content_hash: str, received_at: float,
                    certificate: Certificate | None = None, uncredited: str = "",
-                   keep_reports: int | None = None) -> StoredReport: ...
+                   keep_reports: int | None = None, prefer: Prefer | None = None) -> StoredReport: ...
     def ensure_run(self, run_id: str, now: float) -> None: ...
     def has_run(self, run_id: str) -> bool: ...
     def run_count(self) -> int: ...
@@ -175,12 +178,14 @@ class SQLiteStore(AuthorityTables, CheckpointTables, Listings):
 
     def add_report(self, report: Report, *, content_hash: str, received_at: float,
                    certificate: Certificate | None = None, uncredited: str = "",
-                   keep_reports: int | None = None) -> StoredReport:
+                   keep_reports: int | None = None, prefer: Prefer | None = None) -> StoredReport:
         """Store a report and everything it implies in one transaction; a known (peer, nonce) is returned as is.
 
         A committed round report creates and credits its round only with ``certificate`` (verified by the caller,
-        and matching the report); without one it is kept as the peer's claim, and ``uncredited`` says why.
-        ``keep_reports`` bounds the ledger per peer and run: the oldest reports beyond it are pruned."""
+        and matching the report); without one it is kept as the peer's claim, and ``uncredited`` says why. A round
+        keeps its first certificate unless ``prefer(new, stored)`` says the new one outranks it: then the round's
+        members and credit become the new certificate's. ``keep_reports`` bounds the ledger per peer and run: the
+        oldest reports beyond it are pruned."""
         with self._lock:
             c = self._conn
             c.execute("BEGIN IMMEDIATE")
@@ -203,7 +208,7 @@ class SQLiteStore(AuthorityTables, CheckpointTables, Listings):
                     if certificate is None:
                         response["reason"] = uncredited or "no valid commit certificate"
                 c.execute("UPDATE reports SET response=? WHERE id=?", (json.dumps(response), report_id))
-                self._apply(report, report_id, received_at, certificate)
+                self._apply(report, report_id, received_at, certificate, prefer)
                 if keep_reports is not None:
                     self._bound(report.run_id, report.peer_id, keep_reports)
                 c.execute("COMMIT")
@@ -212,7 +217,8 @@ class SQLiteStore(AuthorityTables, CheckpointTables, Listings):
                 raise
         return StoredReport(content_hash=content_hash, response=response, created=True)
 
-    def _apply(self, r: Report, report_id: int, now: float, certificate: Certificate | None) -> None:
+    def _apply(self, r: Report, report_id: int, now: float, certificate: Certificate | None,
+               prefer: Prefer | None) -> None:
         c, b = self._conn, r.body
         c.execute("INSERT INTO runs(run_id, created_at, last_seen) VALUES (?,?,?) "
                   "ON CONFLICT(run_id) DO UPDATE SET last_seen=MAX(last_seen, excluded.last_seen)",
@@ -244,9 +250,10 @@ class SQLiteStore(AuthorityTables, CheckpointTables, Listings):
                       "last_tokens_per_s=CASE WHEN ? THEN ? ELSE last_tokens_per_s END WHERE run_id=? AND peer_id=?",
                       (b["tokens_total"], b["train_loss"], training and b["tokens_per_s"] > 0, b["tokens_per_s"], *key))
         elif r.kind == "round":
-            self._apply_round(r, report_id, certificate)
+            self._apply_round(r, report_id, certificate, prefer)
 
-    def _apply_round(self, r: Report, report_id: int, certificate: Certificate | None) -> None:
+    def _apply_round(self, r: Report, report_id: int, certificate: Certificate | None,
+                     prefer: Prefer | None) -> None:
         c, b = self._conn, r.body
         committed = b["outcome"] == "committed"
         if committed and certificate is None:
@@ -266,10 +273,16 @@ class SQLiteStore(AuthorityTables, CheckpointTables, Listings):
             certified = c.execute("UPDATE rounds SET certificate=?, members=?, tokens=? WHERE id=? AND "
                                   "certificate IS NULL", (certificate.to_bytes().decode(), json.dumps(members),
                                                           json.dumps(tokens), round_id)).rowcount
-            if certified:  # credited once, by the first report that certifies the round
-                c.executemany("INSERT INTO credits(run_id, peer_id, tokens, rounds) VALUES (?,?,?,?) ON CONFLICT"
-                              " DO UPDATE SET tokens=tokens+excluded.tokens, rounds=rounds+excluded.rounds",
-                              [(r.run_id, m, t, int(t > 0)) for m, t in zip(members, tokens, strict=True)])
+            old = None if certified else c.execute("SELECT certificate, members, tokens FROM rounds WHERE id=?",
+                                                   (round_id,)).fetchone()
+            if old is not None and prefer is not None and old[0] != certificate.to_bytes().decode() and \
+                    prefer(certificate, old[0]):  # a certificate of this state that outranks the one kept
+                c.execute("UPDATE rounds SET certificate=?, members=?, tokens=? WHERE id=?",
+                          (certificate.to_bytes().decode(), json.dumps(members), json.dumps(tokens), round_id))
+                self._credit(r.run_id, json.loads(old[1]), [-t for t in json.loads(old[2])])
+                certified = 1
+            if certified:  # credited once, by the report that brought the certificate kept
+                self._credit(r.run_id, members, tokens)
         first = c.execute("SELECT 1 FROM round_reports WHERE round_id=? AND peer_id=?",
                           (round_id, r.peer_id)).fetchone() is None
         c.execute("INSERT INTO round_reports(round_id, report_id, peer_id, timestamp, train_s, wait_s, average_s,"
@@ -279,6 +292,13 @@ class SQLiteStore(AuthorityTables, CheckpointTables, Listings):
         if committed and first:  # a member is credited once per round, however often it reports it
             c.execute("UPDATE peers SET rounds_committed=rounds_committed+1 WHERE run_id=? AND peer_id=?",
                       (r.run_id, r.peer_id))
+
+    def _credit(self, run_id: str, members: Sequence[str], tokens: Sequence[int]) -> None:
+        """Add each member's credited tokens of one certified round to the ledger (negative: take them back)."""
+        self._conn.executemany(
+            "INSERT INTO credits(run_id, peer_id, tokens, rounds) VALUES (?,?,?,?) ON CONFLICT DO UPDATE SET "
+            "tokens=tokens+excluded.tokens, rounds=rounds+excluded.rounds",
+            [(run_id, m, t, (t > 0) - (t < 0)) for m, t in zip(members, tokens, strict=True)])
 
     def _bound(self, run_id: str, peer_id: str, keep: int) -> None:
         """Keep at most about ``keep`` reports of one peer in one run: prune the oldest (with their metrics and

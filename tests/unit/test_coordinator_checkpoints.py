@@ -96,10 +96,13 @@ def test_a_heavier_chain_signed_by_unseasoned_identities_is_not_vouched_for(
     cp = _checkpoint(env, authority)
     assert cp is not None and (cp.round, cp.state_hash) == (3, head)  # re-signed, not moved
     assert all(cp.seniority(s.peer_id) == 0 for s in sybils)
+    # they also certify the honest peers' next state itself, with more work: the honest certificate of it stands
+    _chain(env, sybils, tickets, tag="h", rounds=range(4, 5), prev=head, work=work, weight=10_000)
     # the honest peers go on from the checkpoint: that chain is vouched for
     head2, _ = _chain(env, honest, tickets, tag="h", rounds=range(4, 6), prev=head, work=work)
     cp = _checkpoint(env, authority)
     assert cp is not None and (cp.round, cp.state_hash) == (5, head2)
+    assert all(cp.seniority(s.peer_id) == 0 for s in sybils) and cp.seniority(honest[0].peer_id) == 500
 
 
 def test_a_chain_whose_work_does_not_add_up_is_not_vouched_for(env: ServiceEnv, authority: Identity,
