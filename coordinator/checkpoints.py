@@ -5,7 +5,7 @@ arrival) and signs a `swarmloco.protocol.trust.checkpoints.Checkpoint` for the h
 certificates (each one's previous hash the state of the one before) reaches back to its previous checkpoint, or to
 round 1 for the first. Along that chain it checks what no single certificate shows:
 - each statement's work is its parent's plus its own credit, so a chain cannot claim work it did not certify;
-- after the first checkpoint, each round's signers hold at least half the seniority of the seniors active lately
+- after the first checkpoint, each round's signers hold at least a third of the seniority of the seniors active lately
   (seen within three checkpoint periods, at least the online window): identities nobody credited cannot extend
   the chain while seniors are around. With every senior gone that long, any certified extension is taken: the
   run goes on without them rather than stopping.
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from swarmloco.protocol.trust.admission import Gate
 from swarmloco.protocol.trust.certificates import Certificate
-from swarmloco.protocol.trust.checkpoints import Checkpoint, CheckpointError
+from swarmloco.protocol.trust.checkpoints import Checkpoint, CheckpointError, supports_by_seniority
 from swarmloco.protocol.trust.identity import Identity
 
 logger = logging.getLogger(__name__)
@@ -135,6 +135,5 @@ class Checkpointer:
     def _senior_enough(self, cert: Certificate, prev: Checkpoint | None, online: Iterable[str]) -> bool:
         if prev is None:
             return True
-        total = prev.weight(online)
         # only signatures that count: a junk signature under a senior's id weighs nothing
-        return total <= 0 or 2 * prev.weight(cert.valid_signers(self.gate)) >= total
+        return supports_by_seniority(prev, cert.valid_signers(self.gate), online) is not False

@@ -195,14 +195,14 @@ class Chain:
         if cp is not None and (s.round, s.new_hash) == (cp.round, cp.state_hash):
             return True
         seen = self._not_liars(records)
-        active = {p for p, r in seen.items() if r.round >= 1} | {self.transport.peer_id}
+        others = {p for p, r in seen.items() if r.round >= 1 and p != self.transport.peer_id}
         signers = verdict.valid_signers(self.gate)  # a junk signature under a senior's id weighs nothing
-        weighed = supports_by_seniority(cp, signers, active)
+        weighed = supports_by_seniority(cp, signers, others)
         if weighed is not None:
             if not weighed:
                 logger.info("round %d %s…: its signers hold %d of the %d seniority we see; not adopting",
                             claim.round, short_hash(claim.state_hash), cp.weight(signers) if cp else 0,
-                            cp.weight(active) if cp else 0)
+                            cp.weight(others) if cp else 0)
             return weighed
         if not supports(s, active_past_genesis(seen)):
             logger.info("round %d %s…: its certificate speaks for %d peers, we see %d past genesis; not adopting",

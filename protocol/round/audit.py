@@ -15,6 +15,11 @@ The steps, each one frame on every shard connection:
    does not match is accused, with its signed part as evidence anyone can recompute. Otherwise the reducer signs
    "every sketch matches", so a combination that then fails is proof that the reducer lied.
 
+When the round scores contributions (`AuditCase.probe`), each member also computes g, the loss gradient at θ_r on
+held-out batches the seed picks, and every sketch carries one more value per shard, <g_j, part>: checked by the
+reducer like the others (within a tolerance for two devices' gradients), and summed into each contributor's score,
+its first-order loss decrease (`swarmloco.protocol.round.credit`).
+
 Whoever is proven to have cheated is returned to the caller, which refuses the round and bans them for the run; a
 member that stops answering is blamed for the round and skipped for a while, like a vanished one.
 """

@@ -9,8 +9,8 @@ each member's *seniority* along that chain, the tokens certified rounds credited
 (`swarmloco.protocol.round.credit`). Peers read the newest checkpoint from the DHT and then:
 - never adopt a state at an earlier round than the checkpoint, or another state at its round;
 - weigh a certificate's signers by seniority: a state ahead of the checkpoint is adopted only when its signers hold
-  at least half the seniority of the peers the verifier sees (`supports_by_seniority`). An identity nobody credited
-  weighs nothing, however many there are.
+  at least a third of the seniority of the other peers the verifier sees (`supports_by_seniority`). An identity
+  nobody credited weighs nothing, however many there are.
 
 A member is senior only once `PROBATION_ROUNDS` certified rounds on the checkpointed chain credited it. Training
 never waits for a checkpoint: without one, or when nobody the verifier sees is senior yet, the count-based rule
@@ -147,15 +147,18 @@ class Checkpoint:
 
 
 def supports_by_seniority(checkpoint: Checkpoint | None, signers: Iterable[str], seen: Iterable[str]) -> bool | None:
-    """Whether a certificate's `signers` hold at least half the seniority of the peers the verifier sees (`seen`,
-    itself included); None when that cannot be judged (no checkpoint, or nobody seen is senior): the caller then
-    falls back to the count-based rule."""
+    """Whether a certificate's `signers` hold at least a third of the seniority of the peers `seen` (the others a
+    verifier sees; not itself: a peer that fell behind must still follow the others); None when that cannot be
+    judged (no checkpoint, or nobody seen is senior): the caller then falls back to the count-based rule.
+
+    A third, not a half: a round is certified by a majority of the peers that were *there*, and the heaviest senior
+    may be the one missing; identities nobody credited weigh nothing under any threshold."""
     if checkpoint is None:
         return None
     total = checkpoint.weight(seen)
     if total <= 0:
         return None
-    return 2 * checkpoint.weight(signers) >= total
+    return 3 * checkpoint.weight(signers) >= total
 
 
 def round_time(t: float) -> float:

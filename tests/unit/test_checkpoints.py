@@ -79,7 +79,9 @@ def test_sybils_weigh_nothing_however_many() -> None:
     sybils = [f"sybil-{i}" for i in range(10)]
     assert supports_by_seniority(cp, sybils, ["a", "b", "c", *sybils]) is False
     assert supports_by_seniority(cp, ["a", "b"], ["a", "b", "c", *sybils]) is True
-    assert supports_by_seniority(cp, ["a"], ["a", "b", "c"]) is False
+    assert supports_by_seniority(cp, ["a"], ["a", "b", "c"]) is True  # a third suffices ...
+    wide = _checkpoint(seniors={p: (100, 3) for p in "abcdef"})
+    assert supports_by_seniority(wide, ["a"], list("abcdef")) is False  # ... a sixth does not
     assert supports_by_seniority(None, sybils, sybils) is None  # no checkpoint: the count rule decides
     assert supports_by_seniority(cp, sybils, sybils) is None  # nobody seen is senior: likewise
 
