@@ -22,7 +22,7 @@ solo: install
 	$(BIN)/swarmloco peer --solo --preset tiny --max-steps 300 --workdir runs/solo --summary-json runs/solo/summary.json
 
 test: install
-	@echo "the whole suite: about 20 minutes on 2 cores (make test-fast runs the unit tier in under a minute)"
+	@echo "the whole suite, short chaos runs included: about 25 minutes on 2 cores (make test-fast runs the unit tier in under a minute)"
 	$(BIN)/python -m pytest -q
 
 test-fast: install
@@ -33,7 +33,7 @@ bench-smoke: install
 	$(BIN)/python -m pytest -q -m bench_smoke tests/integration/test_bench_quick.py
 
 chaos-smoke: install
-	@echo "short chaos runs (churn, burners, SIGSTOP of a leader) over real local peers: a few minutes on 2 cores"
+	@echo "short chaos runs (churn, burners, SIGSTOP of a leader, a staller, silent claimants), also in make test: about 6 minutes"
 	$(BIN)/python -m pytest -q -m chaos tests/integration/test_chaos.py
 
 clean:

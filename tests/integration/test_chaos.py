@@ -1,4 +1,4 @@
-"""Chaos smoke tests (`make chaos-smoke`, not part of `make test`): short (`--quick`) runs of `swarmloco chaos run`
+"""Chaos smoke tests (part of `make test`; alone: `make chaos-smoke`): short (`--quick`) runs of `swarmloco chaos run`
 over real peers on 127.0.0.1. Each asserts that rounds commit after the faults, that every live peer ends on one
 state hash, that nothing the run started is left alive, and that the JSON carries its keys."""
 from __future__ import annotations
