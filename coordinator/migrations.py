@@ -120,10 +120,10 @@ UPDATE peers SET stored_reports = (SELECT COUNT(*) FROM reports r WHERE r.run_id
                                    AND r.peer_id = peers.peer_id);
 """
 
-# Credit for verified work, and the authority's newest checkpoint per run. Credits: the tokens each peer's certified
-# rounds credited it (a certificate's per-member credit,
-# or its weights for a round that could not score contributions), summed when a round is first certified. Rounds
-# certified before this table existed are counted from their stored tokens.
+# Credit for verified work, and the authority's newest checkpoint per run. `credits`: the tokens each peer's
+# certified rounds credited it (a certificate's per-member credit, or its weights for a round that could not score
+# contributions), added when a round is certified. Rounds certified before this table existed are counted from their
+# stored tokens.
 _V3 = """
 CREATE TABLE credits (
     run_id   TEXT NOT NULL,
