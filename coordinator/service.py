@@ -243,8 +243,14 @@ class CoordinatorService:
     def peers(self, **kw: Any) -> dict[str, Any]:
         page = self.store.list_peers(**kw)
         since = self.clock() - self.config.online_window_s
+        # what the newest checkpoint vouches for: credited tokens on the chain it follows, and whether they weigh yet
+        cp = self.checkpoints.latest if self.checkpoints is not None else None
+        vouched = {peer: tokens for peer, tokens, _ in cp.seniors} if cp is not None else {}
         for p in page.items:
             p["online"] = p["left_at"] is None and p["last_seen"] >= since
+            if p["run_id"] == self.config.run_id:
+                p["vouched_tokens"] = vouched.get(p["peer_id"], 0)
+                p["seniority"] = cp.seniority(p["peer_id"]) if cp is not None else 0
         return self._page_json(page)
 
     def rounds(self, **kw: Any) -> dict[str, Any]:

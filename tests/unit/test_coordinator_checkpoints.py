@@ -146,3 +146,5 @@ def test_a_new_honest_peer_reaches_full_weight_after_its_probation(env: ServiceE
     _chain(env, [*founders, newcomer], tickets, tag="h", rounds=range(5, 6), prev=head, work=work)
     cp = _checkpoint(env, authority)
     assert cp is not None and cp.round == 5 and cp.seniority(newcomer.peer_id) == 300
+    shown = env.peer(newcomer)  # /api/peers: what the newest checkpoint vouches for, and what it weighs
+    assert (shown["vouched_tokens"], shown["seniority"], shown["credited_tokens"]) == (300, 300, 300)
