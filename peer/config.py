@@ -144,7 +144,9 @@ class AdoptConfig:
     ours, its distance from ours (peer/adoption.py)."""
 
     tolerance: float = 0.1  # refuse a state whose loss exceeds our own state's by more than this fraction
-    step_factor: float = 4.0  # one round ahead: refuse a state farther than this many of our recent outer steps
+    # one round ahead: refuse a state farther than this many of our recent outer steps. 8, not 4: a round that
+    # merges a peer's progress from rounds that failed moves the state several of a slow peer's own steps (4.8 seen)
+    step_factor: float = 8.0
 
     def __post_init__(self) -> None:
         _check(0.0 <= self.tolerance <= 10.0, "adopt_tolerance", self.tolerance, "0 .. 10 (a fraction of our loss)")
