@@ -176,8 +176,9 @@ def test_fifty_downloads_and_four_tricklers_against_one_donor() -> None:
     # Each trickler is cut once and then refused for the rest of the test. Without the penalty they took ~57
     # sessions between them (and the downloads ~23 s instead of ~6 s on an idle machine).
     assert slow_sessions <= 2 * TRICKLERS and server.stats.penalized > 0, slow_sessions
-    # ~(4 joiners filling their 12 MiB blob + 4 chunks in flight): measured ~50 MiB; 50 sessions at once: 150+
-    assert growth < 100 * 2**20, f"RSS grew by {growth / 2**20:.0f} MiB"
+    # ~(4 joiners filling their 12 MiB blob + 4 chunks in flight): measured ~50 MiB idle, 107 MiB beside two CPU
+    # burners (slower downloads overlap more); 50 sessions at once: 150+
+    assert growth < 125 * 2**20, f"RSS grew by {growth / 2**20:.0f} MiB"
 
 
 def test_serve_limits_are_checked() -> None:
