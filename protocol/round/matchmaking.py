@@ -8,10 +8,11 @@ Seen from a peer that holds θ_r and has spent its round budget:
    who was ready by the view's cutoff. Nobody reports who leads.
 3. The view's leader admits a JoinRequest while its group is open and the request carries a valid ticket and matches
    our run, model, round and state; the member checks the leader's ticket. The leader closes the group once it has a
-   majority of the active swarm and at least `quorum` peers (`swarmloco.protocol.trust.certificates.need`) and the
-   grace window has passed (it waits a little for peers whose records say they are about to be ready), and at the
-   latest when its view ends. Closing sends every member the member list and the swarm size; the round itself
-   (claims, plan, sharded reduce, votes) then runs in `swarmloco.protocol.round.steps`.
+   majority of the active swarm and at least `quorum` peers, weighed by seniority where the run's authority has
+   vouched for some of them (`swarmloco.protocol.round.weights`), and the grace window has passed (it waits a little
+   for peers whose records say they are about to be ready), and at the latest when its view ends. Closing sends
+   every member the member list and the swarm size; the round itself (claims, plan, sharded reduce, votes) then
+   runs in `swarmloco.protocol.round.steps`.
 4. A view whose group did not close ends for everyone at the same time: its leader releases its members, and the
    next view has another leader. A member never waits on a leader past the end of the view.
 A peer that sees a verified certified state outranking its own gets `Behind` instead, unless members joined it.
@@ -36,8 +37,8 @@ from swarmloco.protocol.round.exchange import Link
 from swarmloco.protocol.round.groups import Collecting, Declined, Group, RoundAborted, admit
 from swarmloco.protocol.round.rules import active_peers, compatible, grace_over
 from swarmloco.protocol.round.schedule import POLL_S, Action, Decision, Views, ViewSchedule, decide
+from swarmloco.protocol.round.weights import Weights
 from swarmloco.protocol.trust.admission import Credentials, Gate
-from swarmloco.protocol.trust.certificates import need
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,8 @@ class Matchmaker:
         self.set_state(round_number, state_hash)
         views = self._ready(round_number, state_hash)
         deadline = time.monotonic() + self.cfg.round_timeout_s
-        swarm = 1
+        active: set[str] = {self.transport.peer_id}
+        weights = self._weights()
         last: tuple[int, str] | None = None
         try:
             while time.monotonic() < deadline:
@@ -104,10 +106,10 @@ class Matchmaker:
                 here = {p: r for p, r in records.items() if r.round == round_number and r.state_hash == state_hash
                         and p not in self.banned and p != me}
                 active = active_peers(records, round_number) | {me}
-                swarm = len(active)
+                weights = self._weights()
                 views.see([r.eta for r in here.values() if r.ready], lookback_s=self.cfg.round_timeout_s)
                 decision = decide(me=me, views=views, here=here, seed=self.seed or state_hash,
-                                  schedule=self.schedule, now=time.time())
+                                  schedule=self.schedule, now=time.time(), eligible=weights.eligible)
                 self.transport.update_record(view=decision.view)
                 if (decision.view, decision.leader) != last:
                     last = (decision.view, decision.leader)
@@ -115,10 +117,11 @@ class Matchmaker:
                                  decision.action.value, short_id(decision.leader), decision.until_end(time.time()))
                 group: Group | Declined | None = None
                 if decision.action is Action.LEAD:
-                    group = await self._lead(round_number, decision, active, here)
+                    group = await self._lead(round_number, decision, active, here, weights)
                 else:
                     self._abandon()  # a group of ours from an earlier view: its members move on with us
-                    group = await self._try_join(decision.leader, round_number, state_hash, decision, swarm)
+                    group = await self._try_join(decision.leader, round_number, state_hash, decision, active,
+                                                 weights)
                     if not isinstance(group, Group):
                         await asyncio.sleep(min(POLL_S, decision.until_end(time.time())))
                 if isinstance(group, Group):
@@ -126,9 +129,8 @@ class Matchmaker:
                     group.view = decision.view
                     return group
             raise RoundAborted(
-                f"no group of {need(swarm, self.cfg.quorum)} (a majority of {swarm} active peers) "
-                f"formed for round {round_number} within {self.cfg.round_timeout_s:.0f}s "
-                f"(view {views.current})"
+                f"no {weights.short_of(active)} formed for round {round_number} "
+                f"within {self.cfg.round_timeout_s:.0f}s (view {views.current})"
             )
         except BaseException:
             self._abandon()
@@ -155,18 +157,23 @@ class Matchmaker:
         self.transport.update_record(ready=True, eta=views.ready_at, view=max(views.current, views.floor))
         return views
 
+    def _weights(self) -> Weights:
+        """How we weigh the swarm now: by the newest authority checkpoint we hold, if any."""
+        return Weights(self.gate.checkpoint, self.cfg.quorum)
+
     async def _lead(self, round_number: int, decision: Decision, active: set[str],
-                    here: dict[str, PeerRecord]) -> Group | None:
+                    here: dict[str, PeerRecord], weights: Weights) -> Group | None:
         """One look as the view's leader: close the group if quorum and grace (or the view's end) allow, else wait
         for a join or the next poll."""
         collect = self._ensure_collecting(round_number, decision.view)
         now, wall = time.monotonic(), time.time()
-        if 1 + len(collect.members) >= need(len(active), self.cfg.quorum) and not self.hooks.hold_group(round_number):
+        group = [self.transport.peer_id, *collect.members]
+        if weights.enough(group, active) and not self.hooks.hold_group(round_number):
             collect.quorum_at = collect.quorum_at or now
             etas = [None if r.ready else max(0.0, r.eta - wall) for p, r in here.items() if p not in collect.members]
             if grace_over(waited=now - collect.quorum_at, etas=etas, cfg=self.cfg) or \
                     decision.until_end(wall) <= POLL_S:
-                return await self._close(collect, active)
+                return await self._close(collect, active, weights)
         collect.changed.clear()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(collect.changed.wait(), timeout=max(0.01, min(POLL_S, decision.until_end(wall))))
@@ -186,14 +193,14 @@ class Matchmaker:
         if not collect.done.done():
             collect.done.set_result(None)
 
-    async def _close(self, collect: Collecting, active: set[str]) -> Group:
+    async def _close(self, collect: Collecting, active: set[str], weights: Weights) -> Group:
         collect.closed = True
         self._collect = None
         self.transport.update_record(ready=False)
         me = self.transport.peer_id
         links = dict(collect.members)
         names = [me, *links]
-        swarm = len(active | set(names))  # members whose records we have not seen yet are active too
+        swarm = weights.swarm(names, active)  # members whose records we have not seen yet are active too
 
         async def notify(link: Link) -> bool:
             message = pb.GroupClosed(
@@ -214,7 +221,7 @@ class Matchmaker:
                      swarm=swarm, tickets=tickets)
 
     async def _try_join(self, leader: str, round_number: int, state_hash: str, decision: Decision,
-                        swarm: int) -> Group | Declined:
+                        active: set[str], weights: Weights) -> Group | Declined:
         """Join the view's leader: the closed group, or why not. A member waits for the close at most until the view
         ends (and one control timeout more, for the close in flight); then the next view has another leader."""
         d = self.deadlines
@@ -259,11 +266,12 @@ class Matchmaker:
                     self.transport.peer_id not in closed.members:
                 link.close()
                 return Declined("closed a group we are not in")
-            if len(closed.members) < need(max(closed.swarm, swarm), self.cfg.quorum):
+            if not weights.enough(closed.members, active, declared=closed.swarm):
                 # A group that is no majority of the swarm we see could never be certified (and two of them could
                 # both commit): a leader understating the swarm is not followed.
-                logger.info("round %d: %s closed %d of a claimed swarm of %d, we see %d active; not taking part",
-                            round_number, short_id(leader), len(closed.members), closed.swarm, swarm)
+                logger.info("round %d: %s closed %d of a claimed swarm of %d, we see %d active (%s); not taking "
+                            "part", round_number, short_id(leader), len(closed.members), closed.swarm, len(active),
+                            "weighed by seniority" if weights.weighed(active) else "counted")
                 link.close()
                 return Declined("group too small")
             self.transport.update_record(ready=False)

@@ -7,7 +7,9 @@ said it was ready (its record's `eta` once `ready`), so every peer that reads th
 alike, whoever read them first.
 
 The leader of view v is, among the peers at the state that were ready by the view's cutoff (their records say
-`ready`, and their `eta` is when they became ready), the one whose hash of (seed, v, peer id) is lowest. The cutoff
+`ready`, and their `eta` is when they became ready), the one whose hash of (seed, v, peer id) is lowest; where the
+run's authority has vouched for some of those peers, only they are drawn from (`swarmloco.protocol.round.weights`):
+admitted identities that never did verified work cannot lead views and let them expire. The cutoff
 is a short window (`ViewSchedule.window_s`) after the view began, or after the first peer became ready in it if
 nobody was ready when it began. A peer still training, or busy in an exchange, never leads: only a peer waiting for
 a group can gather one. Past the cutoff the candidates are fixed, so a peer that becomes ready later joins the
@@ -28,7 +30,7 @@ stranger advertising later views can at most halve the views, which still grow.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -149,12 +151,14 @@ class Views:
 
 
 def decide(*, me: str, views: Views, here: Mapping[str, PeerRecord], seed: str, schedule: ViewSchedule,
-           now: float) -> Decision:
+           now: float, eligible: Callable[[Collection[str]], Collection[str]] = lambda peers: peers) -> Decision:
     """What to do now at our state. `here`: the credible, unbanned records of the other peers at our (round, hash).
+    `eligible`: who among a view's candidates may lead it, and whose later views move us on (default: all of them;
+    `swarmloco.protocol.round.weights.Weights.eligible` keeps the senior ones where there are any).
     Updates `views.current` and the readiness times `views.etas`; the rest of `views` is read only."""
     since = views.ready_since({p: r for p, r in here.items() if p != me})  # the ready peers other than us
     view = max(schedule.at(now - views.anchor), views.floor, views.current)
-    ahead = any(here[p].view > view for p in since)
+    ahead = any(here[p].view > view for p in eligible([*since, me]) if p != me)
     if ahead and now - views.anchor >= schedule.start(view) + schedule.length(view) / 2:
         view = min(MAX_VIEW, view + 1)
     views.current = view
@@ -165,5 +169,6 @@ def decide(*, me: str, views: Views, here: Mapping[str, PeerRecord], seed: str, 
     candidates = [p for p, eta in since.items() if eta <= cutoff]
     if views.ready_at <= cutoff:
         candidates.append(me)
-    leader = view_leader(seed, view, candidates)  # never empty: the first peer ready is always a candidate
+    # never empty: the first peer ready is always a candidate, and `eligible` keeps some of any non-empty set
+    leader = view_leader(seed, view, eligible(candidates))
     return Decision(Action.LEAD if leader == me else Action.JOIN, view, leader, ends_at)

@@ -262,7 +262,7 @@ def test_group_closing_while_the_accept_is_in_flight_still_counts_the_member(net
         writer = _SlowReplyWriter()
         handler = asyncio.ensure_future(mm._handle_join("member", reader, writer))  # type: ignore[arg-type]
         await asyncio.sleep(0.05)  # admitted; the reply is in flight
-        group_task = asyncio.ensure_future(mm._close(collect, {leader_id}))
+        group_task = asyncio.ensure_future(mm._close(collect, {leader_id}, mm._weights()))
         await asyncio.sleep(0.05)
         writer.release.set()
         group = await group_task
