@@ -8,7 +8,13 @@ round 1 for the first. Along that chain it checks what no single certificate sho
 - after the first checkpoint, each round's signers hold at least a third of the seniority of the seniors active lately
   (seen within three checkpoint periods, at least the online window): identities nobody credited cannot extend
   the chain while seniors are around. With every senior gone that long, any certified extension is taken: the
-  run goes on without them rather than stopping.
+  run goes on without them rather than stopping;
+- before the first checkpoint, where the operator named *founders* (`CheckpointConfig.founders`: peers it trusts,
+  such as its own machines), each round's valid signers include at least a third of the founders active lately,
+  and at least one: identities that report a fabricated chain from round 1 before the honest swarm's first
+  checkpoint cannot have it vouched for. With no founder active, no first checkpoint is signed (peers keep the
+  count-based rules meanwhile). Founders start past probation: their first credited round makes them senior.
+  Without founders the first checkpoint takes the heaviest chain whose work adds up.
 Seniority is carried forward: the previous checkpoint's (tokens, rounds) per peer plus the credit of every round
 after it on the chain. The newest checkpoint is kept in the store, so a restarted coordinator goes on from it.
 """
@@ -22,7 +28,13 @@ from dataclasses import dataclass
 
 from swarmloco.protocol.trust.admission import Gate
 from swarmloco.protocol.trust.certificates import Certificate
-from swarmloco.protocol.trust.checkpoints import Checkpoint, CheckpointError, supports_by_seniority
+from swarmloco.protocol.trust.checkpoints import (
+    MAX_SENIORS,
+    PROBATION_ROUNDS,
+    Checkpoint,
+    CheckpointError,
+    supports_by_seniority,
+)
 from swarmloco.protocol.trust.identity import Identity
 
 logger = logging.getLogger(__name__)
@@ -32,10 +44,13 @@ MAX_ROUNDS_READ = 20_000  # certified rounds read per checkpoint (those after th
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     every_s: float = 120.0  # how often the authority signs a checkpoint (0: never)
+    founders: frozenset[str] = frozenset()  # peer ids whose signatures the first checkpoint's chain needs
 
     def __post_init__(self) -> None:
         if not (self.every_s == 0 or 5 <= self.every_s <= 86_400):
             raise ValueError(f"checkpoint every_s: got {self.every_s}, allowed 0 (off) or 5 .. 86400")
+        if len(self.founders) > MAX_SENIORS:
+            raise ValueError(f"at most {MAX_SENIORS} founders, got {len(self.founders)}")
 
 
 class Checkpointer:
@@ -43,8 +58,10 @@ class Checkpointer:
     `online_peers(run_id, since)`, `latest_checkpoint(run_id)` and `save_checkpoint(run_id, value)`."""
 
     def __init__(self, store, identity: Identity, run_id: str, *, active_window_s: float,  # type: ignore[no-untyped-def]
-                 gate: Callable[[], Gate], clock: Callable[[], float] = time.time) -> None:
+                 gate: Callable[[], Gate], founders: frozenset[str] = frozenset(),
+                 clock: Callable[[], float] = time.time) -> None:
         self.store, self.identity, self.run_id, self.clock = store, identity, run_id, clock
+        self.founders = founders
         self._gate = gate  # how signers are checked now (tickets, revocations)
         self._lock = threading.Lock()  # the publisher thread and HTTP requests may both refresh
         self.active_window_s = active_window_s
@@ -124,7 +141,8 @@ class Checkpointer:
         while cursor is not None:
             chain.append(cursor)
             cursor = valid[(cursor.statement.round, cursor.statement.new_hash)][1]
-        seniors = {p: (t, r) for p, t, r in prev.seniors} if prev is not None else {}
+        seniors = ({p: (t, r) for p, t, r in prev.seniors} if prev is not None
+                   else dict.fromkeys(self.founders, (0, PROBATION_ROUNDS)))
         for c in reversed(chain):
             for member, credit in zip(c.statement.members, c.statement.credited, strict=True):
                 tokens, rounds = seniors.get(member, (0, 0))
@@ -133,7 +151,12 @@ class Checkpointer:
         return (s.round, s.new_hash, s.work), seniors
 
     def _senior_enough(self, cert: Certificate, prev: Checkpoint | None, online: Iterable[str]) -> bool:
-        if prev is None:
-            return True
         # only signatures that count: a junk signature under a senior's id weighs nothing
-        return supports_by_seniority(prev, cert.valid_signers(self.gate), online) is not False
+        signers = cert.valid_signers(self.gate)
+        if prev is None:
+            if not self.founders:
+                return True
+            present = self.founders & set(online)
+            signed = self.founders & signers
+            return bool(signed) and 3 * len(signed) >= len(present)
+        return supports_by_seniority(prev, signers, online) is not False

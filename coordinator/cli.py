@@ -80,6 +80,13 @@ def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:
                         help="invite codes for --admission invite, one per line")
     parser.add_argument("--allowlist", type=Path, default=None, metavar="FILE",
                         help="peer ids for --admission allowlist, one per line ('#' starts a comment)")
+    parser.add_argument("--checkpoint-every", type=float, default=120.0, metavar="SECONDS",
+                        help="sign a checkpoint of the heaviest certified chain this often (5 .. 86400; 0 = never): "
+                             "peers weigh signers, groups and leaders by the seniority it names")
+    parser.add_argument("--founders", type=Path, default=None, metavar="FILE",
+                        help="peer ids the first checkpoint's chain must be signed by (at least a third of those "
+                             "active, and one), one per line: in an open run, strangers who report a chain of their "
+                             "own before the first checkpoint cannot have it vouched for")
     parser.add_argument("--ticket-lifetime", type=float, default=3600.0, metavar="SECONDS",
                         help="how long a ticket is valid; peers renew at half of it")
     # None keeps ConnectionLimits' default (coordinator/connections.py), which imports uvicorn: not here
@@ -208,6 +215,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
     if getattr(args, "coordinator_action", None):
         return run_revocation(args)
     from swarmloco.coordinator.authority import AuthorityConfig
+    from swarmloco.coordinator.checkpoints import CheckpointConfig
     from swarmloco.coordinator.connections import ConnectionLimits
     from swarmloco.coordinator.server import CoordinatorConfig, CoordinatorServer
     from swarmloco.coordinator.service import ServiceConfig
@@ -223,8 +231,16 @@ def run_coordinator(args: argparse.Namespace) -> int:
         generated = generated_invite(Path(str(args.db) + INVITE_SUFFIX)) if invite_to_generate(args) else ""
         policy = admission_policy(args, generated=generated)
         work = {} if args.work_bits is None else {"work_bits": args.work_bits}
+        founders = load_allowlist(args.founders) if args.founders is not None else frozenset()
+        if args.founders is not None and not founders:
+            raise ValueError(f"--founders {args.founders} holds no peer id")
+        checkpoints = CheckpointConfig(every_s=args.checkpoint_every, founders=founders)
+        if founders and (policy.mode == "none" or not checkpoints.every_s):
+            raise ValueError("--founders needs checkpoints: an admission policy other than none, and "
+                             "--checkpoint-every above 0")
         service = ServiceConfig(run_id=args.run_id, max_past_s=args.max_past_s, max_future_s=args.max_future_s,
-                                online_window_s=args.online_window_s, authority=AuthorityConfig(policy=policy, **work))
+                                online_window_s=args.online_window_s, authority=AuthorityConfig(policy=policy, **work),
+                                checkpoints=checkpoints)
         config = CoordinatorConfig(db=args.db, host=args.host, port=args.port, dht=not args.no_dht,
                                    dht_host=args.dht_host, dht_port=args.dht_port, identity_path=args.identity,
                                    ready_file=args.ready_file, local_invite=generated, service=service,
@@ -250,6 +266,10 @@ def run_coordinator(args: argparse.Namespace) -> int:
         print(f"invite code  {generated}   (generated, kept in {args.db}{INVITE_SUFFIX}: whoever has it may join)")
     elif policy.mode == "invite":
         print("invite code  one of those given with --invite-code/--invite-file (peers pass it with --invite)")
+    if policy.mode != "none" and checkpoints.every_s:
+        named = f"; the first needs {len(founders)} founder(s)' signatures" if founders else (
+            "; no --founders: the first vouches for the heaviest chain" if policy.mode == "open" else "")
+        print(f"checkpoints  every {checkpoints.every_s:g} s{named}")
     for maddr in info["dht_maddrs"]:
         print(f"DHT node     {maddr}")
     command, note = public_join(info, host=args.host, dht_host=args.dht_host, invite=generated)

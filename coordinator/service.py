@@ -112,7 +112,8 @@ class CoordinatorService:
         if self.authority.mode != "none" and config.checkpoints.every_s > 0:
             active = max(config.online_window_s, 3 * config.checkpoints.every_s)  # seniors active lately
             self.checkpoints = Checkpointer(store, identity, config.run_id, active_window_s=active, clock=clock,
-                                            gate=lambda: self.authority.gate(config.run_id))
+                                            gate=lambda: self.authority.gate(config.run_id),
+                                            founders=config.checkpoints.founders)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_StoreCollector(self))  # type: ignore[arg-type]
         self.started_at = clock()

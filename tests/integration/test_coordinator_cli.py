@@ -111,6 +111,17 @@ def test_bad_arguments_exit_2(tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 2 and "does not exist" in result.stderr
+    founders = tmp_path / "founders.txt"
+    cases = [("not-a-peer-id\n", "invite", "is not a peer id"), ("# nobody\n", "invite", "holds no peer id"),
+             ("Q" * 52 + "\n", "none", "needs checkpoints")]
+    for content, admission, wanted in cases:
+        founders.write_text(content)
+        result = subprocess.run(
+            [sys.executable, "-m", "swarmloco.coordinator", "--db", str(tmp_path / "x.sqlite"), "--no-dht",
+             "--port", "0", "--founders", str(founders), "--admission", admission],
+            cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=60, check=False,
+        )
+        assert result.returncode == 2 and wanted in result.stderr, result.stderr
 
 
 def test_status_prints_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,7 +13,7 @@ from _ticket_helpers import ServiceEnv, certified_round_body
 
 from swarmloco.coordinator.checkpoints import CheckpointConfig
 from swarmloco.protocol.trust.certificates import Certificate, Statement
-from swarmloco.protocol.trust.checkpoints import Checkpoint
+from swarmloco.protocol.trust.checkpoints import MAX_SENIORS, Checkpoint
 from swarmloco.protocol.trust.identity import Identity
 
 GENESIS = "0" * 64
@@ -148,3 +148,34 @@ def test_a_new_honest_peer_reaches_full_weight_after_its_probation(env: ServiceE
     assert cp is not None and cp.round == 5 and cp.seniority(newcomer.peer_id) == 300
     shown = env.peer(newcomer)  # /api/peers: what the newest checkpoint vouches for, and what it weighs
     assert (shown["vouched_tokens"], shown["seniority"], shown["credited_tokens"]) == (300, 300, 300)
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_founders_keep_strangers_from_winning_the_first_checkpoint(tmp_path: Path, authority: Identity,
+                                                                   ids: list[Identity], named: bool) -> None:
+    """Four admitted strangers report a chain of their own from round 1, heavier than the honest one, before the
+    first checkpoint. With the operator's peers named as founders, the first checkpoint vouches for the chain they
+    signed, and they are senior from their first credited round; the control, without founders, vouches for the
+    strangers' chain."""
+    honest, sybils = ids[:3], ids[3:7]
+    founders = frozenset(i.peer_id for i in honest) if named else frozenset()
+    env = ServiceEnv(tmp_path / "db.sqlite", identity=authority,
+                     checkpoints=CheckpointConfig(every_s=60, founders=founders))
+    try:
+        tickets = env.admit(*honest, *sybils)
+        fake, _ = _chain(env, sybils, tickets, tag="s", rounds=range(1, 4), prev=GENESIS, work=0, weight=10_000)
+        head, _ = _chain(env, honest, tickets, tag="h", rounds=range(1, 3), prev=GENESIS, work=0)
+        cp = _checkpoint(env, authority)
+        assert cp is not None
+        if named:
+            assert (cp.round, cp.state_hash) == (2, head)
+            assert cp.seniority(honest[0].peer_id) == 200 and cp.seniority(sybils[0].peer_id) == 0
+        else:
+            assert (cp.round, cp.state_hash) == (3, fake)
+    finally:
+        env.close()
+
+
+def test_a_founders_list_is_bounded() -> None:
+    with pytest.raises(ValueError, match="founders"):
+        CheckpointConfig(founders=frozenset(f"p{i}" for i in range(MAX_SENIORS + 1)))
