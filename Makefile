@@ -33,7 +33,7 @@ bench-smoke: install
 	$(BIN)/python -m pytest -q -m bench_smoke tests/integration/test_bench_quick.py
 
 chaos-smoke: install
-	@echo "short chaos runs (churn, burners, SIGSTOP of a leader, a staller, silent claimants), also in make test: about 6 minutes"
+	@echo "short chaos runs (churn, burners, SIGSTOP of a leader, a staller, silent claimants, a partition as root), also in make test: about 7 minutes"
 	$(BIN)/python -m pytest -q -m chaos tests/integration/test_chaos.py
 
 clean:

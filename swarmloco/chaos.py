@@ -1,11 +1,12 @@
-"""`swarmloco chaos run SCENARIO`: real peer processes on 127.0.0.1 under a fault scenario, measured.
+"""`swarmloco chaos run SCENARIO`: real peer processes under a fault scenario, measured.
 
-The run starts a bootstrap DHT node on a thread of its own (and a coordinator when the scenario needs one), then the
-peers, each exec'd in its own session with its own workdir and identity (the local swarm launcher's `PeerProc`).
-Once all have joined, the scenario's driver injects its faults for --duration seconds; then every fault is undone
-and the run waits (at most --settle seconds) until all live peers hold one state, so that their final hashes can be
-compared. Every process started is stopped in a `finally`, by pid or by the session created for it, and `orphans`
-counts those still alive afterwards. Writes --json (rounds, goodput, faults, per-peer peaks) and a PNG beside it.
+The run starts a bootstrap DHT node (and a coordinator when the scenario needs one), then the peers, each exec'd in
+its own session with its own workdir and identity (the local swarm launcher's `PeerProc`), on 127.0.0.1, or each in
+a network namespace of its own for a scenario that cuts links (swarmloco.chaos_net). Once all have joined, the
+scenario's driver injects its faults for --duration seconds; then every fault is undone and the run waits (at most
+--settle seconds) until all live peers hold one state, so that their final hashes can be compared. Every process
+started is stopped in a `finally`, by pid or by the session created for it, and `orphans` counts those still alive
+afterwards. Writes --json (rounds, goodput, faults, per-peer peaks) and a PNG beside it.
 """
 from __future__ import annotations
 
@@ -23,18 +24,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from swarmloco.chaos_net import NetnsError, SplitNet
 from swarmloco.chaos_report import (
     ProcSampler,
     agreed_rounds,
     final_hash,
     is_running,
     newest_state,
+    run_notes,
     summary_fields,
     token_curve,
     write_plot,
 )
 from swarmloco.chaos_scenarios import SCENARIOS, Scenario
-from swarmloco.proc_memory import descendants
+from swarmloco.proc_memory import cmdline, descendants
 from swarmloco.protocol.trust.identity import load_or_create_identity
 from swarmloco.swarm_procs import PeerProc, become_subreaper, raise_interrupt, set_aside_previous_run, stop_session
 
@@ -77,6 +80,7 @@ class ChaosRun:
         self.peers: dict[str, PeerProc] = {}
         self.bootstrap: list[str] = []
         self.bootstrap_dht: Any = None
+        self.net: SplitNet | None = None  # scenarios that cut links: each peer in a network namespace of its own
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.coordinator_url: str | None = None
         self.coordinator_port, self.coordinator_invite = 0, ""  # its run is invite-only, with a generated code
@@ -173,6 +177,10 @@ class ChaosRun:
             raise RuntimeError(f"coordinator did not start; see {self.root / 'coordinator.log'}")
         self.coordinator_invite = str(json.loads(ready.read_text()).get("invite") or "")  # the same after a restart
 
+    def split(self, cut: bool) -> None:
+        assert self.net is not None, "only a scenario with a split network cuts links"
+        self.net.split(cut)
+
     def fault(self, kind: str, peer: str | None) -> None:
         self.faults.append({"t": round(time.time() - self.t0, 2), "kind": kind, "peer": peer})
         logger.info("fault at %.1fs: %s %s", time.time() - self.t0, kind, peer or "")
@@ -181,13 +189,14 @@ class ChaosRun:
     def _peer_argv(self, index: int, workdir: Path, *, wait_for: int) -> list[str]:
         cfg = self.cfg
         quorum = cfg.quorum or max(2, cfg.peers // 2 + 1)
+        host = "127.0.0.1" if self.net is None else self.net.address(index)
         argv = [sys.executable, "-m", "swarmloco.cli", "peer", "--preset", "tiny", "--batch-size", "4",
                 "--threads", "1", "--warmup-steps", "5", "--inner-lr", "1e-3", "--inner-steps", str(cfg.inner_steps),
                 "--grace-min", "0.3", "--grace-max", "3", "--round-timeout", f"{self.round_timeout:g}",
                 "--exchange-timeout", "20", "--eval-every", "1000", "--checkpoint-every", "1", "--max-rounds", "0",
                 "--quorum", str(quorum), "--workdir", str(workdir), "--shard-index", str(index),
                 "--num-shards", str(cfg.peers), "--log-format", "json", "--summary-json", str(workdir / "summary.json"),
-                "--host-maddr", "/ip4/127.0.0.1/tcp/0", "--run-id", cfg.run_id, "--linger", "0",
+                "--host-maddr", f"/ip4/{host}/tcp/0", "--run-id", cfg.run_id, "--linger", "0",
                 "--wait-for-peers", str(wait_for), "--seed", "0"]
         if self.coordinator_url:
             argv += ["--coordinator", self.coordinator_url, "--invite", self.coordinator_invite]
@@ -195,7 +204,7 @@ class ChaosRun:
             argv += ["--authority-key", str(self.root / AUTHORITY_KEY)]
         for maddr in self.bootstrap:
             argv += ["--initial-peer", maddr]
-        return argv
+        return argv if self.net is None else self.net.prefix(index) + argv
 
     def _env(self, index: int) -> dict[str, str]:
         """A peer's environment: the run's, with the scenario's fault spec for this peer if it has one."""
@@ -211,8 +220,14 @@ class ChaosRun:
 
         self.root.mkdir(parents=True, exist_ok=True)
         load_or_create_identity(self.root / AUTHORITY_KEY)
-        self.bootstrap_dht = LocalDHT.on_own_thread(name="chaos-bootstrap", host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        self.bootstrap = [str(m) for m in self.bootstrap_dht.get_visible_maddrs()]
+        if self.scenario.split:
+            self.net = SplitNet(sides=tuple(int(i >= self.cfg.peers // 2) for i in range(self.cfg.peers)))
+            self.net.create()
+            proc, self.bootstrap = self.net.start_bootstrap(self.root, self.env)
+            self.started.append(proc)
+        else:
+            self.bootstrap_dht = LocalDHT.on_own_thread(name="chaos-bootstrap", host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+            self.bootstrap = [str(m) for m in self.bootstrap_dht.get_visible_maddrs()]
         if self.scenario.coordinator:
             self.start_coordinator()
         for i in range(self.cfg.peers):
@@ -298,6 +313,8 @@ class ChaosRun:
         if self.bootstrap_dht is not None:
             self.bootstrap_dht.shutdown()
             self.bootstrap_dht = None
+        if self.net is not None:
+            self.net.close()
 
     def orphans(self, timeout: float = 15.0) -> list[int]:
         """Processes this run started (peers and all seen under them, burners, coordinators, our own children) still
@@ -305,7 +322,7 @@ class ChaosRun:
         ours = self.peer_pids | self.sampler.seen | {p.pid for p in self.started}
         deadline = time.monotonic() + timeout
         while True:
-            children = [pid for pid in descendants(os.getpid()) if SHM_MANAGER not in _cmdline(pid)]
+            children = [pid for pid in descendants(os.getpid()) if SHM_MANAGER not in cmdline(pid)]
             alive = sorted(pid for pid in ours | set(children) if pid != os.getpid() and is_running(pid))
             if not alive or time.monotonic() > deadline:
                 return alive
@@ -315,13 +332,6 @@ class ChaosRun:
                 except (ProcessLookupError, PermissionError):
                     pass
             time.sleep(0.5)
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def run_chaos_config(cfg: ChaosConfig) -> dict[str, Any]:
@@ -336,7 +346,7 @@ def run_chaos_config(cfg: ChaosConfig) -> dict[str, Any]:
         run.start()
         run.drive()
         settled = run.settle()
-    except (TimeoutError, RuntimeError, KeyboardInterrupt) as exc:
+    except (TimeoutError, RuntimeError, NetnsError, KeyboardInterrupt) as exc:
         error = repr(exc)
         logger.error("chaos run failed: %s", error)
     finally:
@@ -345,24 +355,13 @@ def run_chaos_config(cfg: ChaosConfig) -> dict[str, Any]:
     left = run.orphans()
     fields = summary_fields(run.peers, run.t0, stopped_at)
     live = {name: final_hash(p, run.t0) for name, p in run.peers.items()}
-    notes = [
-        "views_per_round: the mean over committed round events of (the view the group formed in + 1)",
-        "tokens: the certified plans' bounded token weights summed over the rounds all reporting peers agree on, "
-        "within the fault window plus settling; goodput divides them by that wall time",
-        "peak_rss_mb sums RSS over each peer's process tree (shared pages counted in every process)",
-    ]
-    if cfg.scenario == "sigstop-leader":
-        notes.append("the stopped peer is the leader of the newest committed round (the next round's leader seed is "
-                     "in the certificate, which the event logs do not carry)")
-    if fields["views_per_round"] is None:
-        notes.append("views_per_round is null: no peer committed a round")
     result: dict[str, Any] = {
         "scenario": cfg.scenario, "quick": cfg.quick, "peers": cfg.peers, "duration_s": cfg.duration_s,
         "quorum": cfg.quorum or max(2, cfg.peers // 2 + 1), "round_timeout_s": cfg.round_timeout, **fields,
         "settled": settled, "final_hashes": live, "one_final_hash": len(set(live.values())) == 1 and None not in
-        live.values(), "orphans": len(left), "orphan_cmdlines": [_cmdline(pid) for pid in left], "faults": run.faults,
+        live.values(), "orphans": len(left), "orphan_cmdlines": [cmdline(pid) for pid in left], "faults": run.faults,
         "restarts": {name: p.restarts for name, p in run.peers.items()}, "per_peer": run.sampler.to_dict(),
-        "error": error, "notes": notes,
+        "error": error, "notes": run_notes(cfg.scenario, fields),
     }
     plot = cfg.json_out.with_suffix(".png")
     write_plot(plot, token_curve(agreed_rounds(run.peers), run.t0), [f["t"] for f in run.faults], stopped_at - run.t0)

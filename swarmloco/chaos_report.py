@@ -215,4 +215,25 @@ def summary_fields(peers: dict[str, PeerProc], t0: float, t1: float) -> dict[str
         "wall_s": round(wall, 2),
         "goodput_tokens_per_s": round(tokens / wall, 3),
         "views_per_round": views_per_round(peers),
+        # when each of those rounds committed, in seconds from the fault window's start (as faults' `t` are)
+        "committed_at_s": sorted(round(t - t0, 2) for t, _ in in_window.values()),
     }
+
+
+def run_notes(scenario: str, fields: dict[str, Any]) -> list[str]:
+    """What the numbers of a chaos run's JSON mean, and what is special about this scenario's."""
+    notes = [
+        "views_per_round: the mean over committed round events of (the view the group formed in + 1)",
+        "tokens: the certified plans' bounded token weights summed over the rounds all reporting peers agree on, "
+        "within the fault window plus settling; goodput divides them by that wall time",
+        "peak_rss_mb sums RSS over each peer's process tree (shared pages counted in every process)",
+    ]
+    if scenario == "sigstop-leader":
+        notes.append("the stopped peer is the leader of the newest committed round (the next round's leader seed is "
+                     "in the certificate, which the event logs do not carry)")
+    if scenario == "partition-2-2":
+        notes.append("each peer runs in a network namespace of its own; the split cuts the one link between the two "
+                     "halves' bridges, so no half holds a quorum of a majority while it lasts")
+    if fields["views_per_round"] is None:
+        notes.append("views_per_round is null: no peer committed a round")
+    return notes

@@ -44,6 +44,8 @@ class ChaosTarget(Protocol):
 
     def start_coordinator(self) -> None: ...
 
+    def split(self, cut: bool) -> None: ...
+
     def fault(self, kind: str, peer: str | None) -> None: ...
 
 
@@ -190,6 +192,33 @@ class CoordinatorRestart:
         return
 
 
+@dataclass(kw_only=True)
+class Partition:
+    """At `at_s`, cut every link between the two halves of the swarm; `for_s` later, heal it. Peers stay up and keep
+    their state; the halves can only find each other again over the healed links."""
+
+    at_s: float
+    for_s: float
+    cut_at: float | None = None
+    done: bool = False
+
+    def tick(self, run: ChaosTarget, t: float) -> None:
+        if self.done:
+            return
+        if self.cut_at is None and t >= self.at_s:
+            run.split(True)
+            run.fault("partition", None)
+            self.cut_at = t
+        elif self.cut_at is not None and t >= self.cut_at + self.for_s:
+            self.close(run)
+
+    def close(self, run: ChaosTarget) -> None:
+        if self.cut_at is not None and not self.done:
+            run.split(False)
+            run.fault("heal", None)
+            self.done = True
+
+
 @dataclass(frozen=True, kw_only=True)
 class Scenario:
     name: str
@@ -199,6 +228,7 @@ class Scenario:
     duration_s: float = 180.0
     quick_duration_s: float = 40.0
     coordinator: bool = False
+    split: bool = False  # each peer in a network namespace of its own, so links can be cut (needs root)
     faults: tuple[tuple[int, str], ...] = ()  # (peer index, SWARMLOCO_FAULTS spec): hostile peers of the scenario
 
 
@@ -215,6 +245,10 @@ SCENARIOS: dict[str, Scenario] = {
                  make=lambda quick, seed: Steady(), faults=((0, "lead=hold@*"),)),
         Scenario(name="silent-claimants", help="three admitted peers claim a far newer state and never answer",
                  make=lambda quick, seed: SilentClaimants()),
+        Scenario(name="partition-2-2", help="cut the links between two halves of the swarm for 60 s (20 s with "
+                 "--quick), then heal; needs root", make=lambda quick, seed: Partition(
+                     at_s=8.0 if quick else 30.0, for_s=20.0 if quick else 60.0),
+                 split=True, duration_s=150.0, quick_duration_s=45.0),
         Scenario(name="coordinator-restart", help="kill the coordinator mid-run, restart it on the same db and port",
                  make=lambda quick, seed: CoordinatorRestart(at_s=10.0 if quick else 60.0), coordinator=True),
     )

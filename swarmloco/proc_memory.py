@@ -126,3 +126,12 @@ class SwarmMemory:
                 "peak_peer_tree_pss_mb": round(self.peak_peer_pss_mb, 1),
                 "peak_peer_tree_rss_mb": round(self.peak_peer_rss_mb, 1),
                 "pss_by_kind_at_peak": self.at_peak, "samples": self.samples}
+
+
+def cmdline(pid: int) -> str:
+    """The process's command line, spaces between its arguments ("" once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
