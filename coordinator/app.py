@@ -110,6 +110,11 @@ def create_app(service: CoordinatorService) -> FastAPI:
         answer = await run_in_threadpool(service.request_ticket, raw, client=client)
         return AsciiJSONResponse(status_code=answer.status, content=answer.body)
 
+    @app.get("/api/manifest", summary="The run manifest: run id, versions, authority and admission, bootstrap "
+                                      "multiaddrs and the settings every peer shares (`swarmloco peer --join URL`)")
+    def get_manifest() -> dict[str, Any]:
+        return service.manifest()
+
     @app.get("/api/revocations", summary="Peers revoked by the authority, as a list it signed (newest serial wins)")
     def get_revocations() -> dict[str, Any]:
         return service.authority.revocations()

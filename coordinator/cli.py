@@ -23,6 +23,7 @@ import logging
 import secrets
 import shlex
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,10 @@ def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:
                         help="invite codes for --admission invite, one per line")
     parser.add_argument("--allowlist", type=Path, default=None, metavar="FILE",
                         help="peer ids for --admission allowlist, one per line ('#' starts a comment)")
+    parser.add_argument("--run-config", type=Path, default=None, metavar="FILE",
+                        help="TOML (the peer's --config sections) of the settings every peer of the run shares: "
+                             "the model, the inner and outer optimiser, the round rules, the seed; served in the run "
+                             "manifest, which `swarmloco peer --join URL` reads")
     parser.add_argument("--checkpoint-every", type=float, default=120.0, metavar="SECONDS",
                         help="sign a checkpoint of the heaviest certified chain this often (5 .. 86400; 0 = never): "
                              "peers weigh signers, groups and leaders by the seniority it names")
@@ -159,6 +164,19 @@ def admission_policy(args: argparse.Namespace, *, generated: str = "") -> Admiss
                            ticket_s=args.ticket_lifetime)
 
 
+def run_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's shared settings: as `swarmloco coordinator` checked them against the peer's (`args.run_settings`),
+    or read from --run-config as they are (the manifest's shape is still checked)."""
+    checked = getattr(args, "run_settings", None)
+    if checked is not None or args.run_config is None:
+        return dict(checked or {})
+    try:
+        with open(args.run_config, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"--run-config {args.run_config} is not valid TOML: {exc}") from None
+
+
 def _loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -174,25 +192,24 @@ def _maddr_host(maddr: str) -> str:
 def public_join(info: dict[str, Any], *, host: str, dht_host: str, invite: str = "") -> tuple[str, str | None]:
     """The join command to print, and a note when it only works on this machine.
 
-    A DHT node on a wildcard address lists every interface's address, loopback first; a volunteer elsewhere needs
-    one of the others, and the coordinator's URL on that same address when the HTTP API listens on every interface.
-    """
+    The command names the coordinator's URL, where the peer reads the run manifest (which lists the DHT node's
+    addresses). A DHT node on a wildcard address lists every interface's address, loopback first; a volunteer
+    elsewhere needs one of the others, and the coordinator's URL on that same address when the HTTP API listens on
+    every interface."""
     maddrs = list(info.get("dht_maddrs") or [])
     public = [m for m in maddrs if not _loopback(_maddr_host(m))]
-    maddr = (public or maddrs or [None])[0]
     url = info["url"]
-    if host in ("0.0.0.0", "::", "") and maddr in public:
-        address = _maddr_host(maddr)
+    if host in ("0.0.0.0", "::", "") and public:
+        address = _maddr_host(public[0])
         url = f"http://{address if ':' not in address else f'[{address}]'}:{info['port']}"
-    parts = ["swarmloco", "peer"] + (["--initial-peer", maddr] if maddr else [])
-    command = shlex.join([*parts, "--coordinator", url, "--run-id", info["run_id"],
-                          *(["--invite", invite] if invite else [])])
+    command = shlex.join(["swarmloco", "peer", "--join", url, *(["--invite", invite] if invite else [])])
+    local = [flag for flag, only_here in (("--host", _loopback(host) or url == info["url"] and not public),
+                                          ("--dht-host", bool(maddrs) and not public)) if only_here]
     note = None
-    if maddrs and not public:
-        note = ("only a loopback address is known, so this command works on this machine only"
-                + ("" if dht_host in ("0.0.0.0", "::") else f" (--dht-host {dht_host})")
-                + ": to let other machines join, start with --host 0.0.0.0 --dht-host 0.0.0.0 (or this machine's "
-                  "address) and replace 127.0.0.1 by an address they can reach")
+    if local:
+        note = (f"only a loopback address is known ({' and '.join(local)}), so this command works on this machine "
+                "only: to let other machines join, start with --host 0.0.0.0 --dht-host 0.0.0.0 (or this machine's "
+                "address)")
     return command, note
 
 
@@ -240,7 +257,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
                              "--checkpoint-every above 0")
         service = ServiceConfig(run_id=args.run_id, max_past_s=args.max_past_s, max_future_s=args.max_future_s,
                                 online_window_s=args.online_window_s, authority=AuthorityConfig(policy=policy, **work),
-                                checkpoints=checkpoints)
+                                checkpoints=checkpoints, run_settings=run_settings(args))
         config = CoordinatorConfig(db=args.db, host=args.host, port=args.port, dht=not args.no_dht,
                                    dht_host=args.dht_host, dht_port=args.dht_port, identity_path=args.identity,
                                    ready_file=args.ready_file, local_invite=generated, service=service,

@@ -82,13 +82,9 @@ class CoordinatorConfig:
             raise ValueError(f"directory of --db {self.db} does not exist; create it first")
 
 
-def join_command(maddr: str | None, url: str, run_id: str, invite: str = "") -> str:
-    """The exact command a volunteer runs to join this coordinator's run."""
-    parts = ["swarmloco", "peer"]
-    if maddr:
-        parts += ["--initial-peer", maddr]
-    parts += ["--coordinator", url, "--run-id", run_id]
-    return shlex.join(parts + (["--invite", invite] if invite else []))
+def join_command(url: str, invite: str = "") -> str:
+    """The exact command a volunteer runs to join this coordinator's run: its manifest says the rest."""
+    return shlex.join(["swarmloco", "peer", "--join", url] + (["--invite", invite] if invite else []))
 
 
 class CoordinatorServer:
@@ -104,6 +100,7 @@ class CoordinatorServer:
         self.port: int = self._sock.getsockname()[1]
         shown = "127.0.0.1" if config.host in ("0.0.0.0", "") else config.host
         self.url = f"http://{shown}:{self.port}" if ":" not in shown else f"http://[{shown}]:{self.port}"
+        self.service.url = self.url
         # Connections are capped and timed out by the guard (see swarmloco.coordinator.connections); uvicorn's own
         # limit_concurrency would count idle connections and answer real requests 503.
         self.connections = ConnectionGuard.for_process(config.connections)
@@ -140,6 +137,8 @@ class CoordinatorServer:
         if self.dht_peer_id != self.identity.peer_id:
             logger.warning("DHT peer id %s differs from identity %s", self.dht_peer_id, self.identity.peer_id)
         self.dht_maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
+        # the manifest names addresses other machines can dial first; loopback ones only help on this machine
+        self.service.bootstrap = sorted(self.dht_maddrs, key=lambda m: m.startswith(("/ip4/127.", "/ip6/::1/")))
         self.publish_revocations()
         self.publish_checkpoint()
         self._publisher = threading.Thread(target=self._publish_loop, name="revocations", daemon=True)
@@ -194,11 +193,10 @@ class CoordinatorServer:
     def info(self, *, invite: str = "") -> dict[str, Any]:
         """What the ready file says; `invite`: also the invite code, in the join command and on its own."""
         run_id = self.config.service.run_id
-        maddr = self.dht_maddrs[0] if self.dht_maddrs else None
         return {"url": self.url, "host": self.config.host, "port": self.port, "run_id": run_id,
                 "db": str(Path(self.config.db).resolve()), "pid": os.getpid(), "authority": self.identity.peer_id,
                 "admission": self.service.authority.mode, "dht_peer_id": self.dht_peer_id,
-                "dht_maddrs": self.dht_maddrs, "join_command": join_command(maddr, self.url, run_id, invite),
+                "dht_maddrs": self.dht_maddrs, "join_command": join_command(self.url, invite),
                 **({"invite": invite} if invite else {})}
 
     def _write_ready_file(self) -> None:

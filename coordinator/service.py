@@ -37,6 +37,8 @@ from swarmloco.coordinator.authority import (
 from swarmloco.coordinator.checkpoints import CheckpointConfig, Checkpointer
 from swarmloco.coordinator.limits import RateLimiter
 from swarmloco.coordinator.store import Page, Prefer, Store
+from swarmloco.protocol.base.manifest import Manifest, package_version, settings_problem
+from swarmloco.protocol.base.records import PROTOCOL_VERSION
 from swarmloco.protocol.base.text import bounded, short_hash
 from swarmloco.protocol.trust.certificates import Certificate
 from swarmloco.protocol.trust.identity import Identity
@@ -68,6 +70,8 @@ class ServiceConfig:
     keep_reports_per_peer: int = 50_000
     max_runs: int = 1000  # distinct run ids reports may create (admission `none` accepts any run id)
     checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)  # signed heads, unless admission `none`
+    # the settings every peer of the run shares, served in the run manifest (peer TOML sections; checked on load)
+    run_settings: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0 < self.max_past_s <= 86400 * 30:
@@ -87,6 +91,8 @@ class ServiceConfig:
             raise ValueError(f"keep_reports_per_peer must be in [10, 10000000], got {self.keep_reports_per_peer}")
         if not 1 <= self.max_runs <= 1_000_000:
             raise ValueError(f"max_runs must be in [1, 1000000], got {self.max_runs}")
+        if problem := settings_problem(self.run_settings):
+            raise ValueError(f"run settings: {problem}")
 
 
 MIN_CHECKPOINT_GAP_S = 5.0  # checkpoints are not re-signed more often than this, however often they are asked for
@@ -114,9 +120,19 @@ class CoordinatorService:
             self.checkpoints = Checkpointer(store, identity, config.run_id, active_window_s=active, clock=clock,
                                             gate=lambda: self.authority.gate(config.run_id),
                                             founders=config.checkpoints.founders)
+        self.bootstrap: list[str] = []  # the DHT node's multiaddrs, once it runs (the manifest names them)
+        self.url = ""  # where this coordinator is served, once it is
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_StoreCollector(self))  # type: ignore[arg-type]
         self.started_at = clock()
+
+    def manifest(self) -> dict[str, Any]:
+        """The run manifest (`GET /api/manifest`): what a peer needs to join this coordinator's run in one command."""
+        info = self.authority.info()
+        return Manifest(run_id=info["run_id"], protocol_version=PROTOCOL_VERSION, package_version=package_version(),
+                        authority="" if info["admission"] == "none" else info["authority"],
+                        admission=info["admission"], work_bits=info["work_bits"], bootstrap=tuple(self.bootstrap),
+                        coordinator=self.url, settings=self.config.run_settings).to_value()
 
     def checkpoint(self, *, refresh: bool = False) -> dict[str, Any] | None:
         """The newest signed checkpoint, as published (None: none yet, or no authority); `refresh`: first sign a new

@@ -60,9 +60,30 @@ def write_summary(path: str | None, summary: dict[str, Any]) -> None:
     tmp.replace(target)
 
 
+def joined_config(args: argparse.Namespace) -> PeerConfig:
+    """The peer's config; with --join, filled in from the run's manifest (swarmloco.peer.join)."""
+    cfg = config_mod.build_config(args)
+    if not cfg.run.join:
+        return cfg
+    from dataclasses import fields
+
+    from swarmloco.peer import join
+
+    try:
+        manifest, origin = join.fetch_manifest(cfg.run.join)
+        join.check_compatible(manifest)
+        join.check_run_settings(manifest.settings, {name: {f.name for f in fields(cls)}
+                                                    for name, cls in config_mod.SECTIONS.items()})
+    except join.JoinError as exc:
+        raise ConfigError(str(exc)) from None
+    logger.info("%s", join.describe(manifest, origin))
+    return config_mod.build_config(args, fixed=join.fixed_values(manifest, origin),
+                                   added={"network": {"initial_peers": manifest.bootstrap}})
+
+
 def run_peer(args: argparse.Namespace) -> int:
     try:
-        cfg = bootstrap.resolve(config_mod.build_config(args))
+        cfg = bootstrap.resolve(joined_config(args))
         run = cfg.run
         lock = preflight.lock_workdir(cfg)  # noqa: F841 - held until the process exits
         if not run.solo:

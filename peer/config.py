@@ -101,6 +101,7 @@ class RunConfig:
     slowdown: float = 1.0  # artificial slowdown factor for demos and tests (sleeps after each step)
     linger_s: float = 0.0  # swarm: keep serving state this long after the last round, for late peers
     coordinator: str | None = None  # URL of a coordinator to report to (never needed for training)
+    join: str | None = None  # a run's manifest: coordinator URL, manifest URL or file (swarmloco.peer.join)
     wait_for_peers: int = 0  # swarm: do not start training until this many compatible peers (us included) are up
     train_while_waiting: bool = True  # swarm: keep taking inner steps while a group forms (False = idle, lock-step)
 
@@ -295,8 +296,13 @@ def _construct(cls: type, kwargs: dict[str, Any]) -> Any:
         raise ConfigError(str(exc)) from None
 
 
-def build_config(args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None) -> PeerConfig:
-    """Merge defaults < TOML (--config or SWARMLOCO_CONFIG) < SWARMLOCO_* env < flags. Raises ConfigError."""
+def build_config(args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None, *,
+                 fixed: Mapping[str, Mapping[str, Any]] | None = None,
+                 added: Mapping[str, Mapping[str, tuple[Any, ...]]] | None = None) -> PeerConfig:
+    """Merge defaults < TOML (--config or SWARMLOCO_CONFIG) < SWARMLOCO_* env < flags. Raises ConfigError.
+
+    `fixed`: settings a joined run fixes (swarmloco.peer.join); any layer setting one of them to another value is
+    an error. `added`: list settings the run extends (its bootstrap addresses after the user's own)."""
     set_env = _set_env(os.environ if env is None else env)
     check_env(set_env)
     values: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
@@ -313,8 +319,22 @@ def build_config(args: argparse.Namespace | None = None, env: Mapping[str, str] 
     for section, cls in SECTIONS.items():
         kwargs = {}
         for key, value in values[section].items():
-            opt = _BY_FIELD.get((section, key))
-            kwargs[key] = _coerce(value, field_type(cls, key), opt.label if opt else key,
-                                  auto=opt is not None and opt.auto)
+            kwargs[key] = _coerce_field(cls, section, key, value)
+        for key, value in (fixed or {}).get(section, {}).items():
+            if key not in {f.name for f in fields(cls)}:
+                raise ConfigError(f"the run fixes an unknown setting {section}.{key}")
+            want = _coerce_field(cls, section, key, value)
+            if key in kwargs and kwargs[key] != want:
+                opt = _BY_FIELD.get((section, key))
+                raise ConfigError(f"{opt.flag if opt else f'{section}.{key}'} is fixed by the run you join at "
+                                  f"{value!r}; leave it out (you set {values[section][key]!r})")
+            kwargs[key] = want
+        for key, extra in (added or {}).get(section, {}).items():
+            kwargs[key] = tuple(kwargs.get(key, ())) + tuple(x for x in extra if x not in kwargs.get(key, ()))
         sections[section] = _construct(cls, kwargs)
     return PeerConfig(**sections)
+
+
+def _coerce_field(cls: type, section: str, key: str, value: Any) -> Any:
+    opt = _BY_FIELD.get((section, key))
+    return _coerce(value, field_type(cls, key), opt.label if opt else key, auto=opt is not None and opt.auto)

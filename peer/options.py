@@ -65,6 +65,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--slowdown", "run", "slowdown", "artificial slowdown factor (>=1) to emulate slower hardware"),
     Option("--linger", "run", "linger_s", "swarm: seconds to keep serving state after the last round"),
     Option("--coordinator", "run", "coordinator", "coordinator URL to report progress to (optional)"),
+    Option("--join", "run", "join", "join the run a coordinator URL, a manifest URL or a manifest file describes: "
+           "it fixes the run id, authority, bootstrap addresses and the settings every peer shares"),
     Option("--wait-for-peers", "run", "wait_for_peers",
            "swarm: start training only once this many peers (us included) are up"),
     Option("--train-while-waiting", "run", "train_while_waiting",

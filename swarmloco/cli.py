@@ -33,7 +33,7 @@ COMMANDS: dict[str, Command] = {
                      "swarmloco.swarm:run_swarm"),
     "coordinator": Command("run the coordinator: HTTP API, dashboard and DHT bootstrap",
                            "swarmloco.coordinator.cli:add_coordinator_arguments",
-                           "swarmloco.coordinator.cli:run_coordinator"),
+                           "swarmloco.coordinator_cmd:run"),
     "status": Command("print a run summary from a coordinator", "swarmloco.coordinator.cli:add_status_arguments",
                       "swarmloco.coordinator.cli:run_status"),
     "ticket": Command("issue an admission ticket with a run's authority key",

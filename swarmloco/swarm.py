@@ -63,7 +63,8 @@ def add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
     add("--coordinator", default=None, help="report to this existing coordinator URL instead of starting one (its "
                                            "invite code, if any, goes in --peer-arg=--invite=CODE)")
     add("--no-coordinator", action="store_true", help="start no coordinator (peers then report nowhere)")
-    add("--run-id", default="local-swarm", help="run id (DHT namespace and coordinator run)")
+    add("--run-id", default=None, help="run id (DHT namespace and coordinator run; default: the --coordinator's "
+                                       "run, or local-swarm)")
     add("--spawn", choices=("fork", "exec"), default="fork",
         help="fork peers from one process that imported torch once (shares its memory), or exec each afresh")
     add("--start-parallel", type=int, default=4,
@@ -305,9 +306,29 @@ class Swarm:
         }
 
 
+def _run_id(args: argparse.Namespace) -> str | None:
+    """The run the swarm trains in: an existing --coordinator's (read from its manifest; a different --run-id is
+    refused in one line, since its peers would never be admitted), or --run-id, or local-swarm."""
+    if not args.coordinator:
+        return str(args.run_id or "local-swarm")
+    from swarmloco.peer.join import JoinError, fetch_manifest
+
+    try:
+        manifest, _ = fetch_manifest(args.coordinator)
+    except JoinError as exc:
+        logger.error("%s", str(exc).replace("--join", "--coordinator", 1))
+        return None
+    if args.run_id and args.run_id != manifest.run_id:
+        logger.error("the coordinator at %s runs %r, not %r: its peers would never be admitted; pass --run-id %s "
+                     "or leave it out", args.coordinator, manifest.run_id, args.run_id, manifest.run_id)
+        return None
+    return manifest.run_id
+
+
 def run_swarm(args: argparse.Namespace) -> int:
     slowdowns = _validate(args)
-    if slowdowns is None:
+    args.run_id = _run_id(args) if slowdowns is not None else None
+    if slowdowns is None or args.run_id is None:
         return 2
     become_subreaper()
     signal.signal(signal.SIGTERM, raise_interrupt)  # SIGTERM too must reach the cleanup below

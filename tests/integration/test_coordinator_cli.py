@@ -53,8 +53,11 @@ def test_process_with_dht_ready_file_and_clean_sigterm(tmp_path: Path) -> None:
         # invite-only by default: a generated code, kept beside the database, in the join command and the ready file
         invite = info["invite"]
         assert len(invite) >= 20 and (tmp_path / "runs.sqlite.invite").read_text() == invite + "\n"
-        assert info["join_command"] == (f"swarmloco peer --initial-peer {maddr} --coordinator {info['url']} "
-                                        f"--run-id demo --invite {invite}")
+        assert info["join_command"] == f"swarmloco peer --join {info['url']} --invite {invite}"
+        manifest = requests.get(info["url"] + "/api/manifest", timeout=10).json()
+        assert (manifest["run_id"], manifest["authority"], manifest["admission"]) == ("demo", info["authority"],
+                                                                                      "invite")
+        assert maddr in manifest["bootstrap"] and manifest["settings"] == {}
         for secret in ("runs.sqlite.invite", "ready.json"):
             assert (tmp_path / secret).stat().st_mode & 0o777 == 0o600, secret
         assert requests.get(info["url"] + "/healthz", timeout=10).json()["run_id"] == "demo"
@@ -71,7 +74,7 @@ def test_process_with_dht_ready_file_and_clean_sigterm(tmp_path: Path) -> None:
         assert not [c for c in children if alive(c)], "DHT/p2pd children outlived the coordinator"
         log = (tmp_path / "ready.log").read_text()
         assert "join with:" in log and "Traceback" not in log
-        assert f"invite code  {invite}" in log and f"--run-id demo --invite {invite}\n" in log
+        assert f"invite code  {invite}" in log and f"--join {info['url']} --invite {invite}\n" in log
     finally:
         kill(proc)
         for child in children:

@@ -22,18 +22,18 @@ INFO = {"url": "http://127.0.0.1:8000", "port": 8000, "run_id": "r",
 
 
 def test_join_command_names_a_public_address_when_listening_everywhere() -> None:
-    command, note = public_join(INFO, host="0.0.0.0", dht_host="0.0.0.0")
-    assert command == (f"swarmloco peer --initial-peer /ip4/192.0.2.9/tcp/31337/p2p/{ID} --coordinator "
-                       "http://192.0.2.9:8000 --run-id r") and note is None
-    command, _ = public_join(INFO, host="127.0.0.1", dht_host="0.0.0.0")  # the API stays local: its URL too
-    assert "--coordinator http://127.0.0.1:8000" in command and "192.0.2.9/tcp" in command
+    command, note = public_join(INFO, host="0.0.0.0", dht_host="0.0.0.0", invite="code")
+    assert command == "swarmloco peer --join http://192.0.2.9:8000 --invite code" and note is None
+    command, note = public_join(INFO, host="127.0.0.1", dht_host="0.0.0.0")  # the API stays local: its URL too
+    assert command == "swarmloco peer --join http://127.0.0.1:8000"
+    assert note is not None and "works on this machine only" in note and "(--host)" in note
 
 
 def test_join_command_says_when_only_loopback_is_known() -> None:
     info = {**INFO, "dht_maddrs": INFO["dht_maddrs"][:1]}
     command, note = public_join(info, host="127.0.0.1", dht_host="127.0.0.1")
-    assert "/ip4/127.0.0.1/tcp/31337" in command
-    assert note is not None and "works on this machine only (--dht-host 127.0.0.1)" in note
+    assert command == "swarmloco peer --join http://127.0.0.1:8000"
+    assert note is not None and "works on this machine only" in note and "--host and --dht-host" in note
 
 
 def test_the_peer_parser_is_built_without_torch_or_hivemind() -> None:

@@ -1,0 +1,135 @@
+"""`swarmloco peer --join URL` against a real coordinator: two peers given nothing but the URL and the invite code
+commit rounds with the settings the run fixes; a wrong protocol version, a conflicting setting, a run config that
+fixes a per-peer setting, an unreachable manifest and a launcher pointed at another run are each refused in one line.
+
+Everything runs on 127.0.0.1; every process the test starts runs in its own session and is ended by pid, and the
+test checks that none is left (p2pd included)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _coordinator_helpers import ROOT, alive, child_env, descendants
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+RUN_CONFIG = """\
+[run]
+preset = "tiny"
+[train]
+inner_lr = 1e-3
+warmup_steps = 5
+inner_steps = 10
+[round]
+quorum = 2
+grace_max_s = 3
+round_timeout_s = 60
+[runtime]
+seed = 3
+"""
+
+
+def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "swarmloco.cli", *args], cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def _one_line(proc: subprocess.CompletedProcess[str], code: int, text: str) -> None:
+    assert proc.returncode == code, proc.stdout[-1000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "ERROR" in line or line.startswith("swarmloco")]
+    assert len(errors) == 1 and text in errors[0], proc.stderr[-3000:]
+
+
+@pytest.fixture
+def coordinator(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    (tmp_path / "run.toml").write_text(RUN_CONFIG)
+    ready = tmp_path / "ready.json"
+    baseline = set(descendants(os.getpid()))
+    with open(tmp_path / "coordinator.log", "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "swarmloco.cli", "coordinator", "--db", str(tmp_path / "c.sqlite"), "--port", "0",
+             "--dht-host", "127.0.0.1", "--ready-file", str(ready), "--run-id", "joined", "--run-config",
+             str(tmp_path / "run.toml"), "--invite-code", "let-me-in"],
+            cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    procs = [proc]
+    try:
+        deadline = time.monotonic() + 90
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "coordinator.log").read_text()
+            time.sleep(0.1)
+        yield {**json.loads(ready.read_text()), "procs": procs, "dir": tmp_path}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+        deadline = time.monotonic() + 20
+        while (left := [c for c in descendants(os.getpid()) if c not in baseline and alive(c)]) and \
+                time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not left, f"processes left running: {left}"
+
+
+def test_two_peers_join_with_the_url_alone_and_commit_rounds(coordinator: dict[str, Any]) -> None:
+    url, root = coordinator["url"], coordinator["dir"]
+    manifest = json.loads(_cli_get(url + "/api/manifest"))
+    assert manifest["run_id"] == "joined" and manifest["bootstrap"] and manifest["settings"]["train"] == {
+        "lr": 1e-3, "warmup_steps": 5, "inner_steps": 10}  # the flag's name in the TOML, the field's in the manifest
+    peers = []
+    for i in range(2):
+        workdir = root / f"peer-{i}"
+        with open(root / f"peer-{i}.log", "ab") as log:
+            peers.append(subprocess.Popen(
+                [sys.executable, "-m", "swarmloco.cli", "peer", "--join", url, "--invite", "let-me-in",
+                 "--workdir", str(workdir), "--max-rounds", "2", "--batch-size", "4", "--threads", "1",
+                 "--host-maddr", "/ip4/127.0.0.1/tcp/0", "--log-format", "json", "--eval-every", "1",
+                 "--checkpoint-every", "0", "--wait-for-peers", "2", "--summary-json", str(workdir / "summary.json"),
+                 "--shard-index", str(i), "--num-shards", "2"],
+                cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    coordinator["procs"].extend(peers)
+    for i, p in enumerate(peers):
+        assert p.wait(300) == 0, (root / f"peer-{i}.log").read_text()[-4000:]
+    summaries = [json.loads((root / f"peer-{i}" / "summary.json").read_text()) for i in range(2)]
+    assert all(s["rounds"] == 2 for s in summaries) and len({s["state_hash"] for s in summaries}) == 1, summaries
+    # the run's 10 inner steps per round (and some taken while a group formed), not the default 50 per round
+    assert all(20 <= s["steps"] < 100 for s in summaries), [s["steps"] for s in summaries]
+    assert "joining run 'joined'" in (root / "peer-0.log").read_text()
+
+
+def _cli_get(url: str) -> str:
+    import requests
+
+    return str(requests.get(url, timeout=10).text)
+
+
+def test_what_cannot_join_is_refused_in_one_line(coordinator: dict[str, Any]) -> None:
+    url, root = coordinator["url"], coordinator["dir"]
+    _one_line(_cli("peer", "--join", url, "--invite", "let-me-in", "--inner-lr", "0.01", "--workdir",
+                   str(root / "conflict")), 2, "--inner-lr is fixed by the run you join at 0.001")
+    manifest = json.loads(_cli_get(url + "/api/manifest"))
+    (root / "future.json").write_text(json.dumps({**manifest, "protocol_version": 999, "package_version": "9.0"}))
+    _one_line(_cli("peer", "--join", str(root / "future.json"), "--workdir", str(root / "future")), 2,
+              "install swarmloco==9.0")
+    started = time.monotonic()
+    _one_line(_cli("peer", "--join", "http://127.0.0.1:9", "--workdir", str(root / "nowhere")), 2,
+              "cannot read the run manifest at http://127.0.0.1:9/api/manifest")
+    assert time.monotonic() - started < 30  # the interpreter's start included; the fetch itself gives up in 10 s
+    (root / "bad.toml").write_text('[runtime]\ndevice = "cuda"\n')
+    _one_line(_cli("coordinator", "--db", str(root / "x.sqlite"), "--no-dht", "--run-config", str(root / "bad.toml")),
+              2, "runtime.device is for each peer to choose")
+    _one_line(_cli("swarm", "--coordinator", url, "--run-id", "default", "--workdir", str(root / "swarm")), 2,
+              "runs 'joined', not 'default'")
