@@ -21,6 +21,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
+from swarmloco.coordinator.dialback import DialBacker
 from swarmloco.coordinator.service import CoordinatorService
 from swarmloco.protocol.trust.ticket_request import MAX_REQUEST_BYTES
 
@@ -70,6 +71,7 @@ async def _read_capped(request: Request, cap: int) -> bytes | None:
 
 def create_app(service: CoordinatorService) -> FastAPI:
     """Build the ASGI app; ``service`` owns the store and policies."""
+    dial_backer = DialBacker()
     app = FastAPI(title="swarmloco coordinator", version="1", summary="Records swarm runs, peers, rounds, metrics.",
                   default_response_class=AsciiJSONResponse)
 
@@ -114,6 +116,14 @@ def create_app(service: CoordinatorService) -> FastAPI:
                                       "multiaddrs and the settings every peer shares (`swarmloco peer --join URL`)")
     def get_manifest() -> dict[str, Any]:
         return service.manifest()
+
+    @app.get("/api/dialback", summary="Connect once to PORT at the address this request came from: whether this "
+                                      "machine can be reached from outside (swarmloco doctor)",
+             responses={400: {}, 429: {}})
+    async def get_dialback(request: Request, port: int) -> JSONResponse:
+        client = request.client.host if request.client else "?"
+        answer = await run_in_threadpool(dial_backer.dial, client, port)
+        return AsciiJSONResponse(status_code=answer.status, content=answer.body)
 
     @app.get("/api/revocations", summary="Peers revoked by the authority, as a list it signed (newest serial wins)")
     def get_revocations() -> dict[str, Any]:

@@ -38,6 +38,8 @@ COMMANDS: dict[str, Command] = {
                       "swarmloco.coordinator.cli:run_status"),
     "ticket": Command("issue an admission ticket with a run's authority key",
                       "swarmloco.peer.ticket_cli:add_ticket_arguments", "swarmloco.peer.ticket_cli:run_ticket"),
+    "doctor": Command("check this machine and a run before joining it: one line per check, and what to do",
+                      "swarmloco.doctor:add_doctor_arguments", "swarmloco.doctor:run_doctor"),
     "chaos": Command("run real local peers under a fault scenario (churn, SIGSTOP, burners, coordinator restart)",
                      "swarmloco.chaos_scenarios:add_chaos_arguments", "swarmloco.chaos:run_chaos"),
 }

@@ -133,3 +133,24 @@ def test_what_cannot_join_is_refused_in_one_line(coordinator: dict[str, Any]) ->
               2, "runtime.device is for each peer to choose")
     _one_line(_cli("swarm", "--coordinator", url, "--run-id", "default", "--workdir", str(root / "swarm")), 2,
               "runs 'joined', not 'default'")
+
+
+def test_doctor_passes_a_healthy_setup_and_names_each_problem(coordinator: dict[str, Any]) -> None:
+    url, root = coordinator["url"], coordinator["dir"]
+    healthy = _cli("doctor", "--join", url, "--workdir", str(root / "doc"), "--json")
+    report = json.loads(healthy.stdout)
+    assert healthy.returncode == 0 and report["ok"] is True, healthy.stdout + healthy.stderr[-2000:]
+    names = [c["name"] for c in report["checks"]]
+    assert names == ["python", "config", "torch", "p2pd", "ports", "bootstrap", "reachable", "clock"], names
+    # a taken listen port, and a bootstrap address nobody answers on: exit 1, each with what to do
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooW9yJKTxvq8JjKbkdwtZH7ZWLQXQTCYYLSr1KAekwtUkYj"
+    port = url.rsplit(":", 1)[1]
+    sick = _cli("doctor", "--private", "--initial-peer", dead, "--host-maddr", f"/ip4/127.0.0.1/tcp/{port}",
+                "--workdir", str(root / "doc2"))
+    assert sick.returncode == 1, sick.stdout + sick.stderr[-2000:]
+    failed = [line for line in sick.stdout.splitlines() if line.startswith("✗")]
+    assert [line.split()[1] for line in failed] == ["ports", "bootstrap"], sick.stdout
+    assert "Address already in use" in failed[0] and "Connection refused" in failed[1]
+    assert "is that peer running" in sick.stdout and sick.stdout.rstrip().endswith("see the ✗ lines")
+    wrong = _cli("doctor", "--join", url, "--inner-lr", "0.5", "--workdir", str(root / "doc3"))
+    assert wrong.returncode == 1 and "✗ config" in wrong.stdout and "--inner-lr is fixed" in wrong.stdout
