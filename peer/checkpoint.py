@@ -44,7 +44,7 @@ def _atomic_write(path: Path, write: Any) -> None:
     _fsync_dir(path.parent)
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -74,7 +74,7 @@ def save(replica: Replica, directory: str | Path, *, extra: dict[str, Any] | Non
     meta = {
         "format": FORMAT_VERSION,
         "file": file_name,
-        "file_sha256": _sha256(directory / file_name),
+        "file_sha256": sha256_file(directory / file_name),
         "round": replica.round,
         "step": replica.step,
         "round_steps": replica.round_steps,
@@ -82,6 +82,7 @@ def save(replica: Replica, directory: str | Path, *, extra: dict[str, Any] | Non
         "tokens": replica.tokens,
         "adam_steps": adam_steps,
         "state_hash": replica.state_hash(),
+        "names": list(replica.names),  # the parameters in the model's order: the order the state hash reads them in
         "task": replica.task.name,
         "task_config": dict(replica.task.config),
         **(extra or {}),
@@ -108,7 +109,7 @@ def load(replica: Replica, directory: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint format {meta.get('format')!r} is not supported (expected {FORMAT_VERSION})")
     if file_path.parent != directory or not file_path.is_file():
         raise CheckpointError(f"checkpoint tensor file {file_path} is missing")
-    if _sha256(file_path) != meta.get("file_sha256"):
+    if sha256_file(file_path) != meta.get("file_sha256"):
         raise CheckpointError(f"checkpoint {file_path} does not match its recorded sha256; it is corrupt")
     if meta.get("task_config") != dict(replica.task.config):
         raise CheckpointError(

@@ -40,6 +40,10 @@ COMMANDS: dict[str, Command] = {
                       "swarmloco.peer.ticket_cli:add_ticket_arguments", "swarmloco.peer.ticket_cli:run_ticket"),
     "doctor": Command("check this machine and a run before joining it: one line per check, and what to do",
                       "swarmloco.doctor:add_doctor_arguments", "swarmloco.doctor:run_doctor"),
+    "export": Command("write the run's agreed model from a peer's checkpoint as a plain safetensors file",
+                      "swarmloco.export:add_export_arguments", "swarmloco.export:run_export"),
+    "sample": Command("print text the default task's model generates from a prompt",
+                      "swarmloco.export:add_sample_arguments", "swarmloco.export:run_sample"),
     "chaos": Command("run real local peers under a fault scenario (churn, SIGSTOP, burners, coordinator restart)",
                      "swarmloco.chaos_scenarios:add_chaos_arguments", "swarmloco.chaos:run_chaos"),
 }
