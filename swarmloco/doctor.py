@@ -111,7 +111,8 @@ def _bootstrap(peers: tuple[str, ...], timeout: float) -> list[Check]:
 def _reachable(coordinator: str, cfg: Any, timeout: float) -> Check:
     import requests
 
-    relayed = cfg.network.client_mode or cfg.network.use_relay or cfg.network.use_auto_relay
+    # use_relay (on by default) only lets this peer dial through relays; auto-relay makes it reachable through one
+    relayed = cfg.network.client_mode or (cfg.network.use_relay and cfg.network.use_auto_relay)
     listen = [m for m in cfg.network.host_maddrs if (t := _tcp_target(m)) is not None and t[1] != 0]
     port = _tcp_target(listen[0])[1] if listen else 0  # type: ignore[index]
     try:
@@ -131,11 +132,12 @@ def _reachable(coordinator: str, cfg: Any, timeout: float) -> Check:
         return Check("reachable", True, f"the coordinator reached this machine at {answer.get('address')}")
     why = answer.get("error", "no answer")
     if relayed:
-        return Check("reachable", True, f"not reachable from outside ({why}), but this peer uses a relay or "
+        return Check("reachable", True, f"not reachable from outside ({why}), but this peer uses auto-relay or "
                                         "--client-mode, so others need not dial it")
     return Check("reachable", False, f"the coordinator could not connect to this machine on port {port} ({why}): "
                                      "behind NAT or a firewall",
-                 f"run with --client-mode (or --use-relay --use-auto-relay), or forward TCP port {port} here and "
+                 f"run with --client-mode, or --use-auto-relay to be reached through a relay, or forward TCP port "
+                 f"{port} here and "
                  f"pass --host-maddr /ip4/0.0.0.0/tcp/{port} --announce-maddr /ip4/PUBLIC_IP/tcp/{port}")
 
 

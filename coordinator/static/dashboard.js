@@ -241,8 +241,33 @@ async function refresh() {
   }
 }
 
+async function showJoin() {
+  // The command a volunteer runs: the manifest names everything else. An invite code is a secret: never shown here.
+  const manifest = await getJSON("/api/manifest", {});
+  const invite = manifest.admission === "invite" ? " --invite CODE" : "";
+  document.getElementById("join-command").textContent = `swarmloco peer --join ${window.location.origin}${invite}`;
+  document.getElementById("join-note").textContent = invite ? "ask the run's operator for the invite code" :
+    manifest.admission === "open" ? "open run: a new identity solves a short proof of work first" : "";
+}
+
+function copyJoin() {
+  const text = document.getElementById("join-command").textContent;
+  const done = () => { document.getElementById("join-copy").textContent = "copied"; };
+  if (navigator.clipboard && window.isSecureContext) {
+    navigator.clipboard.writeText(text).then(done, () => {});
+    return;
+  }
+  const range = document.createRange();  // plain http on another host: select it and use the old copy command
+  range.selectNodeContents(document.getElementById("join-command"));
+  window.getSelection().removeAllRanges();
+  window.getSelection().addRange(range);
+  if (document.execCommand("copy")) done();
+}
+
 document.addEventListener("DOMContentLoaded", () => {
   initCharts();
+  showJoin().catch((err) => { document.getElementById("join-note").textContent = `no manifest (${err.message})`; });
+  document.getElementById("join-copy").addEventListener("click", copyJoin);
   document.getElementById("run-select").addEventListener("change", (e) => {
     selectRun(e.target.value);
     const url = new URL(window.location.href);

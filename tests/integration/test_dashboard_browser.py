@@ -134,6 +134,9 @@ def test_dashboard_shows_real_swarm(procs: Procs, tmp_path: Path) -> None:
         for row, rec in zip(rounds, reversed(summary["rounds"]), strict=False):
             assert row[1] == "committed" and row[6] == next(iter(rec["hashes"].values()))[:12], (row, rec)
         assert driver.execute_script("return window.swarmloco.lastError") is None
+        join = driver.execute_script("return document.getElementById('join-command').textContent")
+        assert join == f"swarmloco peer --join {url} --invite CODE", join  # the code itself is never shown
+        driver.execute_script("document.getElementById('join-copy').click()")
 
         errors = [e for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
         assert not errors, errors
