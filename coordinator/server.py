@@ -70,6 +70,7 @@ class CoordinatorConfig:
     local_invite: str = ""  # written into the ready file (only there) for peers on this host; "" writes none
     service: ServiceConfig = field(default_factory=ServiceConfig)
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
+    group_commit: bool = True  # reports that arrive together share one commit (False: one each; for benchmarks)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -94,7 +95,7 @@ class CoordinatorServer:
         self.config = config
         self.identity_path = config.identity_path or Path(str(config.db) + ".key")
         self.identity = load_or_create_identity(self.identity_path)
-        self.store = SQLiteStore(config.db)
+        self.store = SQLiteStore(config.db, group_commit=config.group_commit)
         self.service = CoordinatorService(self.store, config.service, identity=self.identity)
         self._sock = socket.create_server((config.host, config.port), reuse_port=False)
         self.port: int = self._sock.getsockname()[1]

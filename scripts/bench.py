@@ -12,6 +12,7 @@ Subcommands (each prints a markdown table of ratios measured side by side in one
   goodput      tokens merged per second with churn-30s vs without, default quorum and lock-step
   views        the view schedule simulated (the real decision, a virtual clock): views until a majority group
   scores       contribution scores: the loss decrease g·Δ of honest pseudo-gradients vs a zero, random or negated Δ
+  ingest       coordinator: durable reports per second and latency, group commit vs one commit per report
   cli          seconds until the console script answers --help or a mistyped flag (target: under 0.5 s)
 The logic lives in scripts/bench_<name>.py; `--quick` shrinks every size for the smoke test (`make bench-smoke`).
 """
@@ -37,6 +38,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "goodput": ("scripts.bench_goodput", "goodput under churn vs steady, default quorum and lock-step (4 peers)"),
     "views": ("scripts.bench_views", "the view schedule simulated: views until a majority group, 4 .. 1,000 peers"),
     "scores": ("scripts.bench_scores", "contribution scores: g·Δ of honest Δs vs a free rider's zero/random Δ"),
+    "ingest": ("scripts.bench_ingest", "coordinator: durable reports/s and latency, group commit vs one per report"),
     "cli": ("scripts.bench_cli", "seconds until `swarmloco --help`, a command's --help or a flag error answers"),
 }
 

@@ -109,3 +109,23 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def stop_sessions(procs: list[subprocess.Popen[bytes]], baseline: set[int], *, grace_s: float = 30.0) -> None:
+    """End processes we started, each in a session of its own (SIGTERM, then SIGKILL to the session), and assert
+    that nothing started since `baseline` (our descendants then) is left: p2pd daemons included."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+    deadline = time.monotonic() + 20
+    while (left := [c for c in descendants(os.getpid()) if c not in baseline and alive(c)]) and \
+            time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"processes left running: {left}"
+

@@ -18,8 +18,9 @@ from swarmloco.protocol.round.config import LocalModel, RoundConfig
 from swarmloco.protocol.round.groups import Group, RoundAborted
 from swarmloco.protocol.round.schedule import view_leader, view_rank
 from swarmloco.protocol.testing.fake import FakeNetwork, FakeTransport
-from swarmloco.protocol.trust.admission import Gate
+from swarmloco.protocol.trust.admission import Gate, Ticket
 from swarmloco.protocol.trust.certificates import Head
+from swarmloco.protocol.trust.identity import Identity
 
 H0 = "0" * 64  # θ_0 of the fake run
 NUMEL = 1000  # several quantisation blocks, not a whole number of them: shards of unequal size
@@ -171,3 +172,11 @@ def round_from_heads(averagers: list[Averager], *, offset: int = 0, attempts: in
     with concurrent.futures.ThreadPoolExecutor(len(averagers)) as pool:
         results = list(pool.map(one, range(len(averagers))))
     return results, applied
+
+
+def ticketed(transport: FakeTransport, authority: Identity) -> FakeTransport:
+    """The transport's peer, admitted by `authority`: its credentials carry a ticket that authority signed."""
+    transport.credentials.ticket = Ticket.issue(authority, run_id=transport.run_id,
+                                                peer_id=transport.peer_id).to_bytes()
+    return transport
+

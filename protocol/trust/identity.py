@@ -12,6 +12,7 @@ signature made with the private key proves the signer owns that peer id — no k
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -72,6 +73,13 @@ def public_key_from_peer_id(peer_id: str) -> Ed25519PublicKey:
     """
     if not isinstance(peer_id, str) or not 0 < len(peer_id) <= _MAX_PEER_ID_CHARS:
         raise ValueError(f"peer id must be a non-empty string of at most {_MAX_PEER_ID_CHARS} chars")
+    return _key_of(peer_id)
+
+
+@functools.lru_cache(maxsize=4096)
+def _key_of(peer_id: str) -> Ed25519PublicKey:
+    """The decoding itself, remembered for the peers seen lately: every record, report and signature check of a
+    peer decodes its id again (base58 costs about as much as the check). Only successes are remembered."""
     try:
         raw = base58.b58decode(peer_id.encode("ascii"))
     except (ValueError, UnicodeEncodeError) as e:

@@ -179,3 +179,14 @@ def test_scores_quick(tmp_path: Path) -> None:
     assert len(cells) == 2 and all(c["z_zero"] == 0 for c in cells)
     # even after 5 inner steps an honest Δ lowers the probe loss far beyond what chance gives a random Δ
     assert all(c["z_honest_min"] > 8 and abs(c["z_random"]) < 5 and c["z_negated"] < -8 for c in cells), cells
+
+
+@pytest.mark.timeout(200)
+def test_ingest_quick(tmp_path: Path) -> None:
+    out, data = run_bench(["ingest"], tmp_path, 190)
+    assert "reports per commit" in out
+    single, group = data["arms"]
+    assert not single["group_commit"] and group["group_commit"]
+    assert all(a["acknowledged"] > 0 and a["lost"] == 0 for a in (single, group)), data
+    # the baseline: one transaction per report (the window edges of the two counts differ slightly)
+    assert single["commits"] >= 0.9 * single["acknowledged"], single

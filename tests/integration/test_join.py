@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _coordinator_helpers import ROOT, alive, child_env, descendants
+from _coordinator_helpers import ROOT, child_env, descendants, stop_sessions
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -68,20 +67,7 @@ def coordinator(tmp_path: Path) -> Iterator[dict[str, Any]]:
             time.sleep(0.1)
         yield {**json.loads(ready.read_text()), "procs": procs, "dir": tmp_path}
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
-        deadline = time.monotonic() + 20
-        while (left := [c for c in descendants(os.getpid()) if c not in baseline and alive(c)]) and \
-                time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not left, f"processes left running: {left}"
+        stop_sessions(procs, baseline)
 
 
 def test_two_peers_join_with_the_url_alone_and_commit_rounds(coordinator: dict[str, Any]) -> None:

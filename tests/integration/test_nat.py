@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _coordinator_helpers import ROOT, alive, child_env, descendants
+from _coordinator_helpers import ROOT, child_env, descendants, stop_sessions
 
 pytestmark = [
     pytest.mark.integration, pytest.mark.timeout(300),
@@ -83,18 +82,7 @@ def coordinator(nat: None, tmp_path: Path) -> Iterator[dict[str, Any]]:
             time.sleep(0.1)
         yield json.loads(ready.read_text())
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        deadline = time.monotonic() + 20
-        while (left := [c for c in descendants(os.getpid()) if c not in baseline and alive(c)]) and \
-                time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not left, f"processes left running: {left}"
+        stop_sessions([proc], baseline)
 
 
 def _doctor(ns: str, url: str, workdir: Path, *extra: str) -> tuple[int, dict[str, Any]]:

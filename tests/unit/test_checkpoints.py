@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _fake_rounds import announce, averager_for, publish, round_from_heads, serve_state
+from _fake_rounds import announce, averager_for, publish, round_from_heads, serve_state, ticketed
 
 from swarmloco.protocol.base.outcome import Outcome
 from swarmloco.protocol.chain.forks import Behind
@@ -102,17 +102,11 @@ def net() -> Iterator[FakeNetwork]:
         yield n
 
 
-def _ticketed(transport: FakeTransport) -> FakeTransport:
-    transport.credentials.ticket = Ticket.issue(AUTHORITY, run_id=transport.run_id,
-                                                peer_id=transport.peer_id).to_bytes()
-    return transport
-
-
 def _honest_swarm(net: FakeNetwork) -> tuple[list[Averager], list]:  # type: ignore[type-arg]
     """Three admitted peers that certify round 1 and publish it."""
     honest = []
     for _ in range(3):
-        t = _ticketed(net.peer())
+        t = ticketed(net.peer(), AUTHORITY)
         honest.append(averager_for(t, quorum=3, gate=Gate(t.run_id, AUTHORITY.peer_id)))
         announce(t)
     servers = [serve_state(a) for a in honest]
@@ -127,7 +121,7 @@ def _sybils_serve(net: FakeNetwork, *, k: int, round_number: int, prev_hash: str
                   work: int, posing_as: tuple[str, ...] = ()) -> FakeTransport:
     """k admitted sybils sign a valid certificate among themselves (a swarm of k); one of them serves it.
     `posing_as`: peers also named as members, with junk in place of their signatures."""
-    server_t = _ticketed(net.peer())
+    server_t = ticketed(net.peer(), AUTHORITY)
     signers = [server_t.credentials.identity, *(_key() for _ in range(k - 1))]
     members = tuple(sorted([s.peer_id for s in signers] + list(posing_as)))
     statement = Statement(run_id=server_t.run_id, round=round_number, prev_hash=prev_hash, new_hash=new_hash,

@@ -147,3 +147,48 @@ def test_migration_keeps_old_rounds_as_uncertified_claims(tmp_path: Path) -> Non
     [row] = store.list_rounds(run_id="run", peer_id=None, limit=10, cursor=None, descending=False).items
     assert row["id"] == old["id"] and row["certified"] and row["tokens"] == [1000]
     store.close()
+
+
+def test_reports_that_arrive_together_share_one_commit_and_fail_alone(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Group commit: callers that queue while a commit is written are committed together; every caller returns
+    only after its report is durable, and a report that fails takes only its own rows with it."""
+    import threading
+
+    (a,) = make_identities(tmp_path / "ids", 1)
+    store = SQLiteStore(tmp_path / "db.sqlite")
+    reports = [build_report(a, "run", "metrics", metrics_body(i)) for i in range(40)]
+    bad = reports[7].nonce
+    apply = store._apply
+
+    def failing_apply(r: Report, *args: Any) -> None:
+        if r.nonce == bad:
+            raise sqlite3.IntegrityError("injected")
+        apply(r, *args)
+
+    monkeypatch.setattr(store, "_apply", failing_apply)
+    results: dict[int, Any] = {}
+    store._lock.acquire()  # a commit in progress: everyone queues behind it
+
+    def send(i: int) -> None:
+        try:
+            results[i] = _add(store, reports[i])
+        except sqlite3.IntegrityError as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(reports))]
+    for t in threads:
+        t.start()
+    while len(store._queue) < len(reports):
+        threading.Event().wait(0.01)
+    store._lock.release()
+    for t in threads:
+        t.join(10)
+    assert store.commits == 1  # forty reports, one transaction
+    assert isinstance(results[7], sqlite3.IntegrityError)
+    assert all(results[i]["status"] == "stored" for i in range(len(reports)) if i != 7)
+    store.close()
+    reopened = SQLiteStore(tmp_path / "db.sqlite")  # durable: on disk, not just in this connection
+    stored = {n for _, n in reopened.nonces()}
+    assert stored == {r.nonce for r in reports} - {bad}
+    reopened.close()

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _fake_rounds import announce, averager_for, publish, round_from_heads, serve_state
+from _fake_rounds import announce, averager_for, publish, round_from_heads, serve_state, ticketed
 from _records import H1, rec
 
 from swarmloco.protocol.base.outcome import Outcome
@@ -16,8 +16,8 @@ from swarmloco.protocol.round.averager import Averager
 from swarmloco.protocol.round.groups import RoundAborted
 from swarmloco.protocol.round.schedule import Views, ViewSchedule, decide, view_leader
 from swarmloco.protocol.round.weights import Weights
-from swarmloco.protocol.testing.fake import FakeNetwork, FakeTransport
-from swarmloco.protocol.trust.admission import Gate, Ticket
+from swarmloco.protocol.testing.fake import FakeNetwork
+from swarmloco.protocol.trust.admission import Gate
 from swarmloco.protocol.trust.checkpoints import PROBATION_ROUNDS, Checkpoint
 from swarmloco.protocol.trust.identity import Identity
 
@@ -102,16 +102,10 @@ def net() -> Iterator[FakeNetwork]:
         yield n
 
 
-def _ticketed(transport: FakeTransport) -> FakeTransport:
-    transport.credentials.ticket = Ticket.issue(AUTHORITY, run_id=transport.run_id,
-                                                peer_id=transport.peer_id).to_bytes()
-    return transport
-
-
 def _honest_round_one(net: FakeNetwork) -> list[Averager]:
     honest = []
     for _ in range(3):
-        t = _ticketed(net.peer())
+        t = ticketed(net.peer(), AUTHORITY)
         honest.append(averager_for(t, quorum=2, gate=Gate(t.run_id, AUTHORITY.peer_id)))
         announce(t)
     servers = [serve_state(a) for a in honest]
@@ -129,7 +123,7 @@ def test_idle_sybils_at_the_honest_state_cannot_stop_the_round(net: FakeNetwork,
     honest = _honest_round_one(net)
     head = honest[0].head
     for _ in SYBILS:
-        announce(_ticketed(net.peer()), head.round, head.state_hash, work=head.work, ready=True)
+        announce(ticketed(net.peer(), AUTHORITY), head.round, head.state_hash, work=head.work, ready=True)
     if checkpointed:
         cp = _checkpoint({a.transport.peer_id: (300, PROBATION_ROUNDS) for a in honest}, round_number=head.round,
                          state_hash=head.state_hash, run_id=head.certificate.statement.run_id)
