@@ -338,9 +338,10 @@ def run_status(args: argparse.Namespace) -> int:
         print(f"swarmloco status: cannot read {args.coordinator}: {e}", file=sys.stderr)
         return 1
     print(f"run {run_id}: {sum(p['online'] for p in peers)} of {len(peers)} peers online\n")
-    print(_table(["peer", "online", "device", "credited tokens", "tok/s", "rounds", "train loss"], [
+    print(_table(["peer", "online", "device", "credited tokens", "vouched", "tok/s", "rounds", "train loss"], [
         [p["peer_id"][-12:], "yes" if p["online"] else "no", p["device"] or "-", _fmt(p["credited_tokens"], ","),
-         _fmt(p["last_tokens_per_s"], ".0f"), str(p["rounds_committed"]), _fmt(p["last_train_loss"], ".4f")]
+         _fmt(p.get("vouched_tokens"), ","), _fmt(p["last_tokens_per_s"], ".0f"), str(p["rounds_committed"]),
+         _fmt(p["last_train_loss"], ".4f")]
         for p in peers]))
     print()
     print(_table(["round", "outcome", "members", "tokens", "eval loss", "hash", "failure"], [

@@ -159,6 +159,10 @@ function updateTables() {
     cell(tr, p.memory_bytes ? fmt(p.memory_bytes / 2 ** 30, 1) + " GiB" : "–", "num");
     cell(tr, fmt(p.tokens_per_s), "num");
     cell(tr, fmt(p.credited_tokens), "num").title = `reported by the peer: ${fmt(p.tokens_total)}`;
+    // what the authority's newest checkpoint vouches for (it lags by up to one checkpoint period); a chain no
+    // checkpoint vouches for (identities nobody credited, signing among themselves) stays at 0 here
+    cell(tr, p.vouched_tokens === undefined ? "–" : fmt(p.vouched_tokens), "num").title =
+      p.seniority ? `seniority ${fmt(p.seniority)}` : "on probation, or not on the checkpointed chain";
     cell(tr, fmt(p.rounds_committed), "num");
     cell(tr, fmt(p.last_train_loss, 4), "num");
     cell(tr, fmt(p.last_tokens_per_s), "num");

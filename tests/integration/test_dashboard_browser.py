@@ -126,8 +126,8 @@ def test_dashboard_shows_real_swarm(procs: Procs, tmp_path: Path) -> None:
                                      ".map(tr => [tr.cells[0].title, ...[...tr.cells].map(td => td.textContent)])")
         assert sorted(r[0] for r in rows) == sorted(ids.values()), rows
         for row in rows:
-            assert row[2] == "left" and row[3].startswith("cpu") and row[7] == str(ROUNDS), row
-            assert row[8] != "–", row  # last train loss
+            assert row[2] == "left" and row[3].startswith("cpu") and row[8] == str(ROUNDS), row
+            assert row[9] != "–", row  # last train loss
         rounds = driver.execute_script("return [...document.querySelectorAll('#rounds-table tbody tr')]"
                                        ".map(tr => [...tr.cells].map(td => td.textContent))")
         assert [r[0] for r in rounds] == [str(ROUNDS - i) for i in range(ROUNDS)], rounds
