@@ -18,6 +18,7 @@ never waits for a checkpoint: without one, or when nobody the verifier sees is s
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -125,13 +126,14 @@ class Checkpoint:
     def seniority(self, peer: str) -> int:
         """What `peer`'s signature weighs: its credited tokens, at most `SENIORITY_CAP` × the (lower) median of the
         seniors past probation, so that no one peer's long history outweighs the rest; 0 while on probation."""
-        return self._table().get(peer, 0)
+        return self._table.get(peer, 0)
 
     def weight(self, peers: Iterable[str]) -> int:
-        table = self._table()
+        table = self._table
         return sum(table.get(p, 0) for p in set(peers))
 
-    def _table(self) -> dict[str, int]:
+    @functools.cached_property
+    def _table(self) -> dict[str, int]:  # computed once: matchmaking weighs every active peer on every look
         past = {p: t for p, t, r in self.seniors if r >= PROBATION_ROUNDS and t > 0}
         if not past:
             return {}

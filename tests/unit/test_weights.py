@@ -103,10 +103,12 @@ def net() -> Iterator[FakeNetwork]:
 
 
 def _honest_round_one(net: FakeNetwork) -> list[Averager]:
+    """Three admitted peers that certify round 1 and are ready at it. Quorum 3: every one of them is in each group
+    (with 2, a group could rightly close without the third, which would then find none)."""
     honest = []
     for _ in range(3):
         t = ticketed(net.peer(), AUTHORITY)
-        honest.append(averager_for(t, quorum=2, gate=Gate(t.run_id, AUTHORITY.peer_id)))
+        honest.append(averager_for(t, quorum=3, gate=Gate(t.run_id, AUTHORITY.peer_id)))
         announce(t)
     servers = [serve_state(a) for a in honest]
     results, _ = round_from_heads(honest)
