@@ -122,7 +122,7 @@ def create_app(service: CoordinatorService) -> FastAPI:
              responses={400: {}, 429: {}})
     async def get_dialback(request: Request, port: int) -> JSONResponse:
         client = request.client.host if request.client else "?"
-        answer = await run_in_threadpool(dial_backer.dial, client, port)
+        answer = await dial_backer.dial(client, port)
         return AsciiJSONResponse(status_code=answer.status, content=answer.body)
 
     @app.get("/api/revocations", summary="Peers revoked by the authority, as a list it signed (newest serial wins)")
