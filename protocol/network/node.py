@@ -225,33 +225,33 @@ class SwarmNode:
             await asyncio.sleep(self.net.heartbeat_s)
 
     async def _read_revocations(self) -> None:
-        dht, authority = self.dht, self.gate.authority
-        if dht is None or authority is None:
+        """The authority's newest revocation list and checkpoint, from the DHT (each under the authority's subkey)."""
+        if self.dht is None or self.gate.authority is None:
             return
-        loop = asyncio.get_running_loop()
-        try:
-            found = await loop.run_in_executor(None, lambda: dht.get(
-                revocations_key(self.net.run_id), latest=True, return_future=True).result(timeout=10))
-        except Exception as exc:  # looked up again on the next heartbeat
-            logger.debug("reading revocations: %r", exc)
-            return
-        item = found.value.get(authority) if found is not None and isinstance(found.value, dict) else None
-        if item is not None and self.gate.update_revocations(getattr(item, "value", None)):
+        value = await self._authority_value(revocations_key(self.net.run_id), "revocations")
+        if value is not None and self.gate.update_revocations(value):
             logger.info("the run's authority revoked %d peer(s) (list %d)", len(self.gate.revoked), self.gate.serial)
             if self.peer_id in self.gate.revoked:
                 logger.error("this peer is revoked by the run's authority: other peers refuse it")
-        try:
-            found = await loop.run_in_executor(None, lambda: dht.get(
-                checkpoint_key(self.net.run_id), latest=True, return_future=True).result(timeout=10))
-        except Exception as exc:  # looked up again on the next heartbeat
-            logger.debug("reading the checkpoint: %r", exc)
-            return
-        item = found.value.get(authority) if found is not None and isinstance(found.value, dict) else None
-        if item is not None and self.gate.update_checkpoint(getattr(item, "value", None)):
+        value = await self._authority_value(checkpoint_key(self.net.run_id), "the checkpoint")
+        if value is not None and self.gate.update_checkpoint(value):
             cp = self.gate.checkpoint
             assert cp is not None
             logger.info("the run's authority checkpointed round %d %s… (%d seniors)", cp.round, cp.state_hash[:12],
                         len(cp.seniors))
+
+    async def _authority_value(self, key: str, what: str) -> Any:
+        """The value the run's authority stored under `key` (its own subkey), or None; the caller verifies it."""
+        dht, authority = self.dht, self.gate.authority
+        loop = asyncio.get_running_loop()
+        try:
+            found = await loop.run_in_executor(None, lambda: dht.get(
+                key, latest=True, return_future=True).result(timeout=10))
+        except Exception as exc:  # looked up again on the next heartbeat
+            logger.debug("reading %s: %r", what, exc)
+            return None
+        item = found.value.get(authority) if found is not None and isinstance(found.value, dict) else None
+        return getattr(item, "value", None) if item is not None else None
 
     async def fetch_records(self, *, timeout: float) -> dict[str, PeerRecord]:
         """Every other admitted peer's live record of this run, signed by that peer (anything else is dropped)."""
