@@ -137,7 +137,9 @@ def generated_invite(path: Path) -> str:
         raise ValueError(f"{path} must hold one invite code of at most {MAX_INVITE_CHARS} chars")
     if code:
         return code
-    code = secrets.token_urlsafe(18)
+    code = "-"
+    while code.startswith("-"):  # a code that starts like a flag would be read as one: `--invite -x...` fails
+        code = secrets.token_urlsafe(18)
     write_atomically(path, code + "\n", private=True)
     return code
 

@@ -199,7 +199,7 @@ class ChaosRun:
                 "--host-maddr", f"/ip4/{host}/tcp/0", "--run-id", cfg.run_id, "--linger", "0",
                 "--wait-for-peers", str(wait_for), "--seed", "0"]
         if self.coordinator_url:
-            argv += ["--coordinator", self.coordinator_url, "--invite", self.coordinator_invite]
+            argv += ["--coordinator", self.coordinator_url, f"--invite={self.coordinator_invite}"]
         else:
             argv += ["--authority-key", str(self.root / AUTHORITY_KEY)]
         for maddr in self.bootstrap:

@@ -105,7 +105,7 @@ def _peer_argv(args: argparse.Namespace, i: int, workdir: Path, bootstrap: list[
     if coordinator_url:
         argv += ["--coordinator", coordinator_url]  # the coordinator is the run's authority and issues tickets
         if invite:  # the code our own coordinator generated (its run is invite-only, like every coordinator's default)
-            argv += ["--invite", invite]
+            argv += [f"--invite={invite}"]  # one word: a code may start with "-"
     else:
         # No coordinator: the launcher holds the run's authority key, and every local peer signs its own ticket.
         argv += ["--authority-key", str(workdir.parent / AUTHORITY_KEY)]

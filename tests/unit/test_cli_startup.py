@@ -7,6 +7,7 @@ import argparse
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import ROOT
@@ -87,3 +88,14 @@ def test_a_listening_port_is_taken_and_a_free_one_is_not() -> None:
     assert port_taken("127.0.0.1", 0) is None
     assert tcp_listen_addresses(["/ip4/0.0.0.0/tcp/31337", "/ip6/::/tcp/0", "/ip4/1.2.3.4/udp/9/quic"]) == [
         ("/ip4/0.0.0.0/tcp/31337", "0.0.0.0", 31337), ("/ip6/::/tcp/0", "::", 0)]
+
+
+def test_a_generated_invite_code_never_starts_like_a_flag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--invite -x...` reads as a flag, not a value: the printed join command would fail for one code in 64."""
+    import secrets
+
+    from swarmloco.coordinator.cli import generated_invite
+
+    drawn = iter(["-starts-like-a-flag", "fine-code"])
+    monkeypatch.setattr(secrets, "token_urlsafe", lambda n: next(drawn))
+    assert generated_invite(tmp_path / "db.invite") == "fine-code"
