@@ -17,8 +17,10 @@ class Hooks:
     def inner_step(self, round_number: int) -> None:
         """Before each inner training step."""
 
-    def contribution(self, round_number: int, delta: torch.Tensor, tokens: int) -> tuple[torch.Tensor, int]:
-        """A member's pseudo-gradient and token count, just before they are encoded and sent."""
+    def contribution(self, round_number: int, delta: torch.Tensor, tokens: int, *,
+                     leader: bool = False) -> tuple[torch.Tensor, int]:
+        """A member's pseudo-gradient and token count, just before they are encoded and sent (`leader`: the group's
+        leader contributes too)."""
         return delta, tokens
 
     def after_send(self, round_number: int) -> None:

@@ -163,8 +163,7 @@ class Averager:
             if group.round != prev.round:
                 raise RoundAborted(f"round {group.round} formed, but we hold round {prev.round}")
             delta, tokens = contribution.delta, contribution.tokens
-            if not group.is_leader:
-                delta, tokens = self.hooks.contribution(group.round, delta, tokens)
+            delta, tokens = self.hooks.contribution(group.round, delta, tokens, leader=group.is_leader)
             plan, reduced = self.transport.call(
                 steps.exchange(group, delta, tokens, contribution.staleness, prev), timeout=d.exchange)
             if group.is_leader:

@@ -36,6 +36,7 @@ from swarmloco.protocol.base.hooks import Hooks
 
 logger = logging.getLogger(__name__)
 ENV = "SWARMLOCO_FAULTS"
+FREE_RIDES = ("freeride", "freeride_noise")
 PHASES = {"inner_step", "member_after_send", "leader_before_commit", "contribute", "reduce", "exchange",
           "serve_state", "serve_session", "lead"}
 ACTIONS = {"kill", "nan", "wrong_numel", "inflate", "zero_tokens", "corrupt", "negate1000", "random1000", "flip",
@@ -106,7 +107,11 @@ class FaultInjector(Hooks):
     def before_commit(self, round_number: int) -> None:
         self._hit("leader_before_commit", round_number)
 
-    def contribution(self, round_number: int, delta: torch.Tensor, tokens: int) -> tuple[torch.Tensor, int]:
+    def contribution(self, round_number: int, delta: torch.Tensor, tokens: int, *,
+                     leader: bool = False) -> tuple[torch.Tensor, int]:
+        # A free rider rides in every round, those it leads too; the other contribution faults act as a member only.
+        if leader and not any(f.phase == "contribute" and f.action in FREE_RIDES for f in self.faults):
+            return delta, tokens
         action = self.match("contribute", round_number)
         if action == "nan":
             delta = delta.clone()
@@ -123,7 +128,7 @@ class FaultInjector(Hooks):
             noise = torch.randn(delta.shape, generator=torch.Generator().manual_seed(round_number))
             delta = noise * (1000.0 * float(delta.norm()) / max(float(noise.norm()), 1e-30))
             tokens *= 1000
-        elif action in ("freeride", "freeride_noise"):
+        elif action in FREE_RIDES:
             noise = torch.randn(delta.shape, generator=torch.Generator().manual_seed(round_number))
             scale = float(delta.norm()) / max(float(noise.norm()), 1e-30) if action == "freeride_noise" else 0.0
             delta, tokens = noise * scale, tokens * 1000

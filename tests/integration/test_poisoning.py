@@ -87,7 +87,8 @@ def test_robust_aggregation_keeps_the_model_within_5_percent_of_a_clean_run(swar
 def test_a_free_rider_is_credited_nothing_and_costs_the_model_little(swarm: Swarm, clean: float) -> None:
     """A member that sends a zero Δ claiming 1000× the tokens, every round: every certified round it contributed
     to credits it 0 (the honest members in full), the rounds after its first weigh it 1, and the honest final eval
-    loss stays within 2% of the clean run. (As leader the fault does not act: it then contributes honestly.)"""
+    loss stays within 2% of the clean run. It rides in the rounds it leads too. (A rider that is honest whenever it
+    leads earns its full weight back for the round after: docs/security.md, "Free riders, what is left".)"""
     run = _run(swarm, faults="contribute=freeride@*")
     hostile = run["hostile"]
     assert all(c == 0 for c in run["codes"].values()), swarm.tails()
@@ -95,11 +96,12 @@ def test_a_free_rider_is_credited_nothing_and_costs_the_model_little(swarm: Swar
     ridden = 0
     for name in HONEST:
         for e in run[name]["events"]:
-            if e.get("outcome") != "committed" or hostile not in e.get("members", []) or e.get("leader") == hostile:
+            if e.get("outcome") != "committed" or hostile not in e.get("members", []):
                 continue
             credit = dict(zip(e["members"], e["credit"], strict=True))
             weight = dict(zip(e["members"], e["weights"], strict=True))
             assert credit[hostile] == 0 and all(credit[p] == weight[p] for p in credit if p != hostile), e
+            assert e["round"] == 1 or weight[hostile] == 1, e  # cut from its first uncredited round on
             ridden += 1
     assert ridden, "the free rider never contributed to a certified round"
     loss = _loss(run)

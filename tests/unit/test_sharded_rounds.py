@@ -100,7 +100,8 @@ def test_a_malformed_part_drops_its_sender_from_every_shard_and_the_round_commit
     k = sorted(a.transport.peer_id for a in averagers).index(bad.transport.peer_id)
 
     class NaNs(Hooks):
-        def contribution(self, round_number: int, delta: torch.Tensor, tokens: int) -> tuple[torch.Tensor, int]:
+        def contribution(self, round_number: int, delta: torch.Tensor, tokens: int, *,
+                         leader: bool = False) -> tuple[torch.Tensor, int]:
             if where == "everywhere":
                 return torch.full_like(delta, float("nan")), tokens
             poisoned = delta.clone()
