@@ -180,3 +180,20 @@ def ticketed(transport: FakeTransport, authority: Identity) -> FakeTransport:
                                                 peer_id=transport.peer_id).to_bytes()
     return transport
 
+
+def admitted_round_one(net: FakeNetwork, authority: Identity, *,
+                       ready: bool) -> tuple[list[Averager], list[StateServer]]:
+    """Three peers admitted by `authority` certify round 1 at quorum 3 (each of them is in the group) and publish
+    it, ready for the next round or not; returns them and their state servers."""
+    honest = []
+    for _ in range(3):
+        t = ticketed(net.peer(), authority)
+        honest.append(averager_for(t, quorum=3, gate=Gate(t.run_id, authority.peer_id)))
+        announce(t)
+    servers = [serve_state(a) for a in honest]
+    results, _ = round_from_heads(honest)
+    assert [r.outcome for r in results] == [Outcome.COMMITTED] * 3, [r.reason for r in results]
+    for a, s in zip(honest, servers, strict=True):
+        publish(a, s, ready=ready)
+    return honest, servers
+

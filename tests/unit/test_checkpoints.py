@@ -9,9 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _fake_rounds import announce, averager_for, publish, round_from_heads, serve_state, ticketed
+from _fake_rounds import admitted_round_one, announce, averager_for, serve_state, ticketed
 
-from swarmloco.protocol.base.outcome import Outcome
 from swarmloco.protocol.chain.forks import Behind
 from swarmloco.protocol.chain.state_sync import ServedState
 from swarmloco.protocol.round.averager import Averager
@@ -102,21 +101,6 @@ def net() -> Iterator[FakeNetwork]:
         yield n
 
 
-def _honest_swarm(net: FakeNetwork) -> tuple[list[Averager], list]:  # type: ignore[type-arg]
-    """Three admitted peers that certify round 1 and publish it."""
-    honest = []
-    for _ in range(3):
-        t = ticketed(net.peer(), AUTHORITY)
-        honest.append(averager_for(t, quorum=3, gate=Gate(t.run_id, AUTHORITY.peer_id)))
-        announce(t)
-    servers = [serve_state(a) for a in honest]
-    results, _ = round_from_heads(honest)
-    assert [r.outcome for r in results] == [Outcome.COMMITTED] * 3, [r.reason for r in results]
-    for a, s in zip(honest, servers, strict=True):
-        publish(a, s, ready=False)
-    return honest, servers
-
-
 def _sybils_serve(net: FakeNetwork, *, k: int, round_number: int, prev_hash: str, new_hash: str,
                   work: int, posing_as: tuple[str, ...] = ()) -> FakeTransport:
     """k admitted sybils sign a valid certificate among themselves (a swarm of k); one of them serves it.
@@ -150,7 +134,7 @@ def _hand_out(honest: list[Averager], cp: Checkpoint) -> None:
 @pytest.mark.parametrize("k", [3, 10])
 @pytest.mark.parametrize("checkpointed", [True, False])
 def test_sybils_certifying_a_state_ahead_are_not_followed(net: FakeNetwork, k: int, checkpointed: bool) -> None:
-    honest, _ = _honest_swarm(net)
+    honest, _ = admitted_round_one(net, AUTHORITY, ready=False)
     head = honest[0].head
     if checkpointed:  # the honest peers' work of three rounds, vouched for by the authority
         cp = Checkpoint.issue(AUTHORITY, run_id=head.certificate.statement.run_id, round=head.round,
@@ -170,7 +154,7 @@ def test_sybils_certifying_a_state_ahead_are_not_followed(net: FakeNetwork, k: i
 def test_junk_signatures_under_seniors_ids_weigh_nothing(net: FakeNetwork) -> None:
     """Ten sybils name the three seniors as co-signers, with junk for their signatures: the certificate is still
     valid (junk signatures are skipped, ten valid ones remain), but only valid signatures carry seniority."""
-    honest, _ = _honest_swarm(net)
+    honest, _ = admitted_round_one(net, AUTHORITY, ready=False)
     head = honest[0].head
     _hand_out(honest, Checkpoint.issue(AUTHORITY, run_id=head.certificate.statement.run_id, round=head.round,
                                        state_hash=head.state_hash, work=head.work,
@@ -182,7 +166,7 @@ def test_junk_signatures_under_seniors_ids_weigh_nothing(net: FakeNetwork) -> No
 
 @pytest.mark.parametrize("checkpointed", [True, False])
 def test_a_heavier_chain_beside_the_checkpoint_loses_to_it(net: FakeNetwork, checkpointed: bool) -> None:
-    honest, _ = _honest_swarm(net)
+    honest, _ = admitted_round_one(net, AUTHORITY, ready=False)
     head = honest[0].head
     if checkpointed:
         _hand_out(honest, Checkpoint.issue(AUTHORITY, run_id=head.certificate.statement.run_id, round=head.round,
@@ -199,7 +183,7 @@ def test_a_heavier_chain_beside_the_checkpoint_loses_to_it(net: FakeNetwork, che
 
 
 def test_a_peer_on_a_heavier_chain_goes_back_to_the_checkpointed_state(net: FakeNetwork) -> None:
-    honest, _ = _honest_swarm(net)
+    honest, _ = admitted_round_one(net, AUTHORITY, ready=False)
     head = honest[0].head
     straggler = honest[2]
     # it adopted a fabricated round 1 with more work before the checkpoint arrived

@@ -8,16 +8,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _fake_rounds import announce, averager_for, publish, round_from_heads, serve_state, ticketed
+from _fake_rounds import admitted_round_one, announce, round_from_heads, ticketed
 from _records import H1, rec
 
 from swarmloco.protocol.base.outcome import Outcome
-from swarmloco.protocol.round.averager import Averager
 from swarmloco.protocol.round.groups import RoundAborted
 from swarmloco.protocol.round.schedule import Views, ViewSchedule, decide, view_leader
 from swarmloco.protocol.round.weights import Weights
 from swarmloco.protocol.testing.fake import FakeNetwork
-from swarmloco.protocol.trust.admission import Gate
 from swarmloco.protocol.trust.checkpoints import PROBATION_ROUNDS, Checkpoint
 from swarmloco.protocol.trust.identity import Identity
 
@@ -102,27 +100,11 @@ def net() -> Iterator[FakeNetwork]:
         yield n
 
 
-def _honest_round_one(net: FakeNetwork) -> list[Averager]:
-    """Three admitted peers that certify round 1 and are ready at it. Quorum 3: every one of them is in each group
-    (with 2, a group could rightly close without the third, which would then find none)."""
-    honest = []
-    for _ in range(3):
-        t = ticketed(net.peer(), AUTHORITY)
-        honest.append(averager_for(t, quorum=3, gate=Gate(t.run_id, AUTHORITY.peer_id)))
-        announce(t)
-    servers = [serve_state(a) for a in honest]
-    results, _ = round_from_heads(honest)
-    assert [r.outcome for r in results] == [Outcome.COMMITTED] * 3, [r.reason for r in results]
-    for a, s in zip(honest, servers, strict=True):
-        publish(a, s, ready=True)
-    return honest
-
-
 @pytest.mark.parametrize("checkpointed", [True, False])
 def test_idle_sybils_at_the_honest_state_cannot_stop_the_round(net: FakeNetwork, checkpointed: bool) -> None:
     """Seven admitted identities publish ready records at the honest head and answer no join: counted, they make
     the three honest peers need a group of six, and lead most views."""
-    honest = _honest_round_one(net)
+    honest, _ = admitted_round_one(net, AUTHORITY, ready=True)
     head = honest[0].head
     for _ in SYBILS:
         announce(ticketed(net.peer(), AUTHORITY), head.round, head.state_hash, work=head.work, ready=True)
