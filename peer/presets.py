@@ -30,3 +30,15 @@ PRESETS: dict[str, GPTConfig] = {
     "small": GPTConfig(context=256, d_model=320, n_layers=8, n_heads=5),
     "base": GPTConfig(context=512, d_model=512, n_layers=16, n_heads=8),
 }
+
+DEFAULT_TASK = "stdlib-gpt"  # the default task (swarmloco.peer.task.default_task); one model per preset
+
+
+def default_task_name(preset: str) -> str:
+    """The name the default task goes by with the model of `preset`, as peers log it and run manifests name it."""
+    return f"{DEFAULT_TASK}-{preset}"
+
+
+def builtin_tasks() -> tuple[str, ...]:
+    """Every task this install trains without a plug-in."""
+    return tuple(default_task_name(preset) for preset in PRESETS)

@@ -20,6 +20,7 @@ from torch import nn
 from swarmloco.peer import data as corpus
 from swarmloco.peer.config import ConfigError
 from swarmloco.peer.model import GPT, PRESETS
+from swarmloco.peer.presets import DEFAULT_TASK, default_task_name
 
 logger = logging.getLogger(__name__)
 
@@ -125,13 +126,15 @@ def default_task(ctx: TaskContext) -> Task:
         return GPT(cfg)
 
     return Task(
-        name=f"stdlib-gpt-{ctx.preset}",
+        name=default_task_name(ctx.preset),
         model_factory=model_factory,
         train_batches=train_batches,
         loss_fn=lm_loss,
         evaluate=lambda model: mean_loss(model, fixed_eval, lm_loss),
         probe=lambda seed: corpus.probe_batches(eval_data, n_batches=4, batch_size=8, seq_len=cfg.context, seed=seed),
-        config={"task": "stdlib-gpt", **cfg.to_dict(), "batch_size": batch_size},
+        # what defines the model, and so its fingerprint: the batch size is each peer's own (peers with different
+        # batch sizes average together, weighted by tokens), so it stays out
+        config={"task": DEFAULT_TASK, **cfg.to_dict()},
     )
 
 
