@@ -37,7 +37,7 @@ from swarmloco.coordinator.authority import (
 from swarmloco.coordinator.checkpoints import CheckpointConfig, Checkpointer
 from swarmloco.coordinator.limits import RateLimiter
 from swarmloco.coordinator.store import Page, Prefer, Store
-from swarmloco.protocol.base.manifest import Manifest, package_version, settings_problem
+from swarmloco.protocol.base.manifest import Manifest, model_problem, package_version, settings_problem
 from swarmloco.protocol.base.records import PROTOCOL_VERSION
 from swarmloco.protocol.base.text import bounded, short_hash
 from swarmloco.protocol.trust.certificates import Certificate
@@ -72,6 +72,10 @@ class ServiceConfig:
     checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)  # signed heads, unless admission `none`
     # the settings every peer of the run shares, served in the run manifest (peer TOML sections; checked on load)
     run_settings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # the task those settings train and the model fingerprint its peers will announce, both served in the manifest
+    # ("": not known; computed by `swarmloco coordinator`, which may load the peer's task, from --run-config)
+    run_task: str = ""
+    run_fingerprint: str = ""
 
     def __post_init__(self) -> None:
         if not 0 < self.max_past_s <= 86400 * 30:
@@ -93,6 +97,8 @@ class ServiceConfig:
             raise ValueError(f"max_runs must be in [1, 1000000], got {self.max_runs}")
         if problem := settings_problem(self.run_settings):
             raise ValueError(f"run settings: {problem}")
+        if problem := model_problem(self.run_task, self.run_fingerprint):
+            raise ValueError(f"run model: {problem}")
 
 
 MIN_CHECKPOINT_GAP_S = 5.0  # checkpoints are not re-signed more often than this, however often they are asked for
@@ -132,7 +138,8 @@ class CoordinatorService:
         return Manifest(run_id=info["run_id"], protocol_version=PROTOCOL_VERSION, package_version=package_version(),
                         authority="" if info["admission"] == "none" else info["authority"],
                         admission=info["admission"], work_bits=info["work_bits"], bootstrap=tuple(self.bootstrap),
-                        coordinator=self.url, settings=self.config.run_settings).to_value()
+                        coordinator=self.url, settings=self.config.run_settings, task=self.config.run_task,
+                        fingerprint=self.config.run_fingerprint).to_value()
 
     def checkpoint(self, *, refresh: bool = False) -> dict[str, Any] | None:
         """The newest signed checkpoint, as published (None: none yet, or no authority); `refresh`: first sign a new

@@ -16,28 +16,21 @@ from swarmloco.peer import bootstrap, preflight
 from swarmloco.peer import config as config_mod
 from swarmloco.peer.checkpoint import CheckpointError
 from swarmloco.peer.config import ConfigError, PeerConfig
-from swarmloco.peer.data import ShardSpec
 from swarmloco.peer.replica import Replica
+from swarmloco.peer.run_model import expected_model, task_context
 from swarmloco.peer.signals import StopFlag
-from swarmloco.peer.task import TaskContext, load_task
+from swarmloco.peer.task import load_task
 from swarmloco.protocol.trust.identity import IdentityError
 
 logger = logging.getLogger(__name__)
 
 
 def build_replica(cfg: PeerConfig, *, data_seed: int = 0) -> Replica:
-    run, train = cfg.run, cfg.train
+    run = cfg.run
     if run.shard_index is None:
         raise ConfigError("shard_index: still 'auto'; resolve the config with swarmloco.peer.bootstrap.resolve first")
-    ctx = TaskContext(
-        shard=ShardSpec(index=run.shard_index, count=run.num_shards),
-        seed=cfg.runtime.seed,
-        data_seed=data_seed,
-        preset=run.preset,
-        batch_size=train.batch_size or None,
-    )
-    task = load_task(run.task, ctx)
-    return Replica(task, train, cfg.outer, cfg.runtime)
+    task = load_task(run.task, task_context(cfg, data_seed=data_seed))
+    return Replica(task, cfg.train, cfg.outer, cfg.runtime)
 
 
 def swarm_data_seed(cfg: PeerConfig) -> int:
@@ -77,8 +70,14 @@ def joined_config(args: argparse.Namespace) -> PeerConfig:
     except join.JoinError as exc:
         raise ConfigError(str(exc)) from None
     logger.info("%s", join.describe(manifest, origin))
-    return config_mod.build_config(args, fixed=join.fixed_values(manifest, origin),
-                                   added={"network": {"initial_peers": manifest.bootstrap}})
+    cfg = config_mod.build_config(args, fixed=join.fixed_values(manifest, origin),
+                                  added={"network": {"initial_peers": manifest.bootstrap}})
+    if manifest.task or manifest.fingerprint:  # the model these settings build here is the one the run trains
+        try:
+            join.check_model(manifest, expected_model(cfg))
+        except join.JoinError as exc:
+            raise ConfigError(str(exc)) from None
+    return cfg
 
 
 def run_peer(args: argparse.Namespace) -> int:

@@ -6,7 +6,9 @@ everything the run fixes: the run id, the authority, where the swarm is (bootstr
 own --initial-peer are added), the coordinator, and the settings every peer must share (`RUN_FIXED`: the model,
 the inner and outer optimiser, the round rules, the seed of θ_0). The user sets only what belongs to the machine:
 device, threads, workdir, budget, network reachability. Setting one of the run's settings to another value is an
-error that names it, rather than a peer that never finds a group.
+error that names it, rather than a peer that never finds a group. When the manifest names the run's task and model
+fingerprint, the peer builds its own from the filled-in config (`swarmloco.peer.run_model`) and refuses, in one
+line, a task it does not know or a fingerprint that differs (another swarmloco, another plug-in, another --preset).
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from typing import Any
 
 import requests
 
+from swarmloco.peer.presets import builtin_tasks
+from swarmloco.peer.run_model import RunModel
 from swarmloco.protocol.base.manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError, package_version
 from swarmloco.protocol.base.records import PROTOCOL_VERSION
 from swarmloco.protocol.base.text import bounded
@@ -82,6 +86,28 @@ def check_compatible(manifest: Manifest) -> None:
                        manifest.package_version, package_version(), PROTOCOL_VERSION)
 
 
+def check_model(manifest: Manifest, ours: RunModel) -> None:
+    """Refuse, in one line that says what to do, a run whose task or model fingerprint is not the one this peer
+    builds from the run's settings (`ours`: swarmloco.peer.run_model.expected_model). What the manifest leaves
+    empty is not checked."""
+    plugin = manifest.settings.get("run", {}).get("task")
+    known = builtin_tasks() + ((ours.task,) if plugin else ())
+    run = f"the run {manifest.run_id!r}"
+    install = f"install swarmloco=={manifest.package_version} (this peer has {package_version()})"
+    if manifest.task and manifest.task not in known:
+        raise JoinError(f"{run} trains task {bounded(manifest.task, 80)!r}, which this swarmloco does not know (it "
+                        f"knows {', '.join(known)}): {install}")
+    if manifest.task and manifest.task != ours.task:
+        raise JoinError(f"{run} trains task {manifest.task!r}; this peer would build {ours.task!r}: pass the run's "
+                        "--preset and --task, or leave them out")
+    if manifest.fingerprint and manifest.fingerprint != ours.fingerprint:
+        todo = [install] if manifest.package_version != package_version() else []
+        todo += [f"use the run's version of the plug-in {plugin}"] if plugin else []
+        raise JoinError(f"{run} trains task {manifest.task or ours.task!r} with model fingerprint "
+                        f"{manifest.fingerprint[:12]}…; this peer would build {ours.fingerprint[:12]}… from the same "
+                        f"settings: {', or '.join([*todo, 'check --preset, --task and --seed'])}")
+
+
 def check_run_settings(settings: Mapping[str, Mapping[str, Any]], known: Mapping[str, set[str]]) -> None:
     """Refuse settings a run may not fix: unknown sections or keys (`known`: section -> its keys), and per-peer
     ones (the device, the workdir, the network, the budget)."""
@@ -115,8 +141,9 @@ def fixed_values(manifest: Manifest, origin: str) -> dict[str, dict[str, Any]]:
 
 def describe(manifest: Manifest, origin: str) -> str:
     fixed = ", ".join(f"{s}.{k}" for s, entries in manifest.settings.items() for k in entries) or "none"
-    return (f"joining run {manifest.run_id!r} (admission {manifest.admission}, {len(manifest.bootstrap)} bootstrap "
-            f"address(es), coordinator {origin or 'none'}); the run fixes: {bounded(fixed, 300)}")
+    task = f"task {manifest.task}, " if manifest.task else ""
+    return (f"joining run {manifest.run_id!r} ({task}admission {manifest.admission}, {len(manifest.bootstrap)} "
+            f"bootstrap address(es), coordinator {origin or 'none'}); the run fixes: {bounded(fixed, 300)}")
 
 
 def manifest_json(manifest: Manifest) -> str:

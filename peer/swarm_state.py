@@ -4,7 +4,6 @@ onto a newer global state, and the certified head a (resumed) replica's state st
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 import torch
 
 from swarmloco.peer.replica import Replica
+from swarmloco.peer.run_model import fingerprint_config
 from swarmloco.protocol.base.hashing import StateLayout, pack_state, state_hash, state_layout, unpack_state
 from swarmloco.protocol.base.records import fingerprint
 from swarmloco.protocol.chain.config import FetchConfig
@@ -26,8 +26,7 @@ DOWNLOAD_TIMEOUT_S = 600.0
 
 
 def local_model(replica: Replica, seed: int) -> LocalModel:
-    config = {**dict(replica.task.config), "seed": seed}
-    config = json.loads(json.dumps(config, sort_keys=True, default=str))
+    config = fingerprint_config(replica.task.config, seed)  # as a coordinator computes it for the run's manifest
     layout = [(n, tuple(replica.global_params[n].shape)) for n in replica.names]
     numel = sum(replica.global_params[n].numel() for n in replica.names)
     return LocalModel(fingerprint=fingerprint(config, layout), config=config, numel=numel)

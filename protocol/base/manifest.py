@@ -7,6 +7,13 @@ the run must share (`settings`, in the peer's TOML sections: the model, the inne
 rules). The peer fills in those settings itself and refuses the run in one line when its own version differs
 (`swarmloco.peer.join`).
 
+`task` names what the run trains (the task's name, such as `stdlib-gpt-tiny`) and `fingerprint` the model
+fingerprint its peers announce, which peers compare before they average (a hash of the task's config, the seed and
+every parameter's name and shape: `swarmloco.protocol.base.records.fingerprint`). A peer that would build another
+task or another fingerprint from the same settings (another swarmloco, another plug-in) refuses at start instead of
+never finding a group. Both are optional: "" (or absent) when the coordinator cannot tell, and then nothing is
+checked; empty ones are left out of the JSON, so readers that predate them still read such a manifest.
+
 The manifest is a stranger's bytes to the peer that reads it, so `Manifest.parse` bounds every size and refuses
 anything malformed; it carries no secret (an invite code travels apart from it).
 """
@@ -22,6 +29,9 @@ MANIFEST_VERSION = 1
 MAX_MANIFEST_BYTES = 64 * 1024
 MAX_BOOTSTRAP = 32
 MAX_SECTIONS, MAX_KEYS, MAX_LIST, MAX_TEXT = 16, 64, 64, 512
+MAX_TASK = 128  # characters of a task name
+MAX_FINGERPRINT = 64  # hex digits of a model fingerprint (a peer record carries at most as many)
+_HEX = frozenset("0123456789abcdef")
 _SCALARS = (bool, int, float, str)
 
 
@@ -40,9 +50,12 @@ class Manifest:
     bootstrap: tuple[str, ...] = ()  # multiaddrs of peers (or the coordinator's DHT node) already in the swarm
     coordinator: str = ""  # URL of the coordinator that issues tickets and takes reports ("": none)
     settings: dict[str, dict[str, Any]] = field(default_factory=dict)  # section -> key -> value, fixed by the run
+    task: str = ""  # the task the run trains ("": not known to whoever wrote the manifest)
+    fingerprint: str = ""  # the model fingerprint of the run's peers, lowercase hex ("": not known)
 
     def to_value(self) -> dict[str, Any]:
-        return {"manifest": MANIFEST_VERSION, **asdict(self), "bootstrap": list(self.bootstrap)}
+        value = {"manifest": MANIFEST_VERSION, **asdict(self), "bootstrap": list(self.bootstrap)}
+        return {k: v for k, v in value.items() if v != "" or k not in ("task", "fingerprint")}
 
     @classmethod
     def parse(cls, value: Any) -> Manifest:
@@ -74,6 +87,9 @@ class Manifest:
         problem = settings_problem(settings)
         if problem:
             raise ManifestError(f"the manifest's settings: {problem}")
+        problem = model_problem(fields.get("task", ""), fields.get("fingerprint", ""))
+        if problem:
+            raise ManifestError(f"the manifest's {problem}")
         if not fields["run_id"]:
             raise ManifestError("the manifest's run_id is empty")
         return cls(**{**fields, "bootstrap": tuple(boot), "settings": settings})
@@ -104,6 +120,16 @@ def settings_problem(settings: Any) -> str:
             items = value if isinstance(value, list) else [value]
             if len(items) > MAX_LIST or not all(_scalar(v) for v in items):
                 return f"{section}.{key} must be a number, a boolean, a short string or a short list of them"
+    return ""
+
+
+def model_problem(task: Any, fingerprint: Any) -> str:
+    """Why `task` and `fingerprint` cannot be a manifest's ("" when they can): a short printable task name and a
+    lowercase hex fingerprint of at most MAX_FINGERPRINT digits, each possibly empty."""
+    if not (isinstance(task, str) and len(task) <= MAX_TASK and task.isprintable()):
+        return f"task must be a printable name of at most {MAX_TASK} characters"
+    if not (isinstance(fingerprint, str) and len(fingerprint) <= MAX_FINGERPRINT and set(fingerprint) <= _HEX):
+        return f"fingerprint must be at most {MAX_FINGERPRINT} lowercase hex digits"
     return ""
 
 

@@ -1,5 +1,6 @@
 """The run manifest and `swarmloco peer --join`: a stranger's JSON parsed strictly, versions refused in one line,
-and the settings a run fixes merged into the peer's config (a user's conflicting value is an error naming it)."""
+and the settings a run fixes merged into the peer's config (a user's conflicting value is an error naming it). The
+task and model fingerprint checks of a join are in test_join.py."""
 from __future__ import annotations
 
 import argparse
@@ -10,10 +11,19 @@ from pathlib import Path
 
 import pytest
 
+from swarmloco.coordinator.service import CoordinatorService, ServiceConfig
+from swarmloco.coordinator.store import SQLiteStore
 from swarmloco.peer.cli_args import add_arguments
 from swarmloco.peer.config import SECTIONS, ConfigError, build_config
 from swarmloco.peer.join import JoinError, check_compatible, check_run_settings, fetch_manifest, fixed_values
-from swarmloco.protocol.base.manifest import MAX_BOOTSTRAP, MAX_MANIFEST_BYTES, Manifest, ManifestError
+from swarmloco.protocol.base.manifest import (
+    MAX_BOOTSTRAP,
+    MAX_FINGERPRINT,
+    MAX_MANIFEST_BYTES,
+    MAX_TASK,
+    Manifest,
+    ManifestError,
+)
 from swarmloco.protocol.base.records import PROTOCOL_VERSION
 
 KNOWN = {name: {f.name for f in fields(cls)} for name, cls in SECTIONS.items()}
@@ -114,3 +124,28 @@ def test_fetching_a_manifest_fails_fast_and_clearly(tmp_path: Path) -> None:
     with pytest.raises(JoinError, match="cannot read the run manifest at http://127.0.0.1:9/api/manifest"):
         fetch_manifest("http://127.0.0.1:9", timeout=2)
     assert time.monotonic() - started < 10
+
+
+def test_the_task_and_fingerprint_round_trip_are_optional_and_bounded() -> None:
+    m = _manifest(task="stdlib-gpt-tiny", fingerprint="0123abcd" * 4)
+    assert Manifest.from_bytes(json.dumps(m.to_value()).encode()) == m
+    unknown = _manifest().to_value()  # a coordinator that cannot name them leaves them out: older readers accept it
+    assert "task" not in unknown and "fingerprint" not in unknown
+    assert (Manifest.parse(unknown).task, Manifest.parse(unknown).fingerprint) == ("", "")
+    for bad, why in [({**unknown, "task": "t" * (MAX_TASK + 1)}, "task must be"),
+                     ({**unknown, "task": "two\nlines"}, "task must be"),
+                     ({**unknown, "task": 7}, "task must be"),
+                     ({**unknown, "fingerprint": "a" * (MAX_FINGERPRINT + 1)}, "fingerprint must be"),
+                     ({**unknown, "fingerprint": "ABCDEF"}, "fingerprint must be"),
+                     ({**unknown, "fingerprint": ["ab"]}, "fingerprint must be")]:
+        with pytest.raises(ManifestError, match=why):
+            Manifest.parse(bad)
+
+
+def test_the_coordinator_serves_the_task_and_fingerprint_it_was_given(tmp_path: Path) -> None:
+    config = ServiceConfig(run_id="run", run_settings={"run": {"preset": "tiny"}}, run_task="stdlib-gpt-tiny",
+                           run_fingerprint="ab" * 16)
+    served = Manifest.parse(CoordinatorService(SQLiteStore(tmp_path / "db.sqlite"), config).manifest())
+    assert (served.task, served.fingerprint) == ("stdlib-gpt-tiny", "ab" * 16)
+    with pytest.raises(ValueError, match="fingerprint must be"):
+        ServiceConfig(run_fingerprint="not hex")
