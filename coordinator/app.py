@@ -147,6 +147,11 @@ def create_app(service: CoordinatorService) -> FastAPI:
         return service.peers(run_id=run_id, peer_id=peer_id, limit=limit, cursor=cursor,
                              descending=order == "desc")
 
+    @app.get("/api/accounting", summary="A run's goodput and cost, and what its eval loss bought: verified and "
+             "wasted tokens, device-hours by kind, cost with --price, eval loss over tokens and device-hours")
+    def get_accounting(run_id: RunId = None) -> dict[str, Any]:
+        return service.accounting(run_id)
+
     @app.get("/api/rounds", summary="Rounds with members, tokens, state hash, durations, outcome")
     def get_rounds(run_id: RunId = None, peer_id: PeerId = None, limit: Limit = 100, cursor: Cursor = None,
                    order: Order = "asc") -> dict[str, Any]:

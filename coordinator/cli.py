@@ -85,6 +85,10 @@ def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:
                         help="TOML (the peer's --config sections) of the settings every peer of the run shares: "
                              "the model, the inner and outer optimiser, the round rules, the seed; served in the run "
                              "manifest, which `swarmloco peer --join URL` reads")
+    parser.add_argument("--price", default="", metavar="KIND=PER_HOUR,...",
+                        help="what a device-hour costs, by device kind (cpu, cuda, mps, xpu, other), e.g. "
+                             "cuda=2.1,cpu=0.05: the dashboard and /api/accounting then show the run's cost and the "
+                             "cost per point of eval loss")
     parser.add_argument("--checkpoint-every", type=float, default=120.0, metavar="SECONDS",
                         help="sign a checkpoint of the heaviest certified chain this often (5 .. 86400; 0 = never): "
                              "peers weigh signers, groups and leaders by the seniority it names")
@@ -233,6 +237,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if getattr(args, "coordinator_action", None):
         return run_revocation(args)
+    from swarmloco.coordinator.accounting import parse_prices
     from swarmloco.coordinator.authority import AuthorityConfig
     from swarmloco.coordinator.checkpoints import CheckpointConfig
     from swarmloco.coordinator.connections import ConnectionLimits
@@ -259,7 +264,10 @@ def run_coordinator(args: argparse.Namespace) -> int:
                              "--checkpoint-every above 0")
         service = ServiceConfig(run_id=args.run_id, max_past_s=args.max_past_s, max_future_s=args.max_future_s,
                                 online_window_s=args.online_window_s, authority=AuthorityConfig(policy=policy, **work),
-                                checkpoints=checkpoints, run_settings=run_settings(args))
+                                checkpoints=checkpoints, run_settings=run_settings(args),
+                                run_task=getattr(args, "run_task", ""),
+                                run_fingerprint=getattr(args, "run_fingerprint", ""),
+                                prices=parse_prices(args.price) if args.price.strip() else {})
         config = CoordinatorConfig(db=args.db, host=args.host, port=args.port, dht=not args.no_dht,
                                    dht_host=args.dht_host, dht_port=args.dht_port, identity_path=args.identity,
                                    ready_file=args.ready_file, local_invite=generated, service=service,
@@ -336,6 +344,7 @@ def run_status(args: argparse.Namespace) -> int:
         rounds = _get(args.coordinator, "/api/rounds",
                       {"run_id": run_id, "limit": max(1, min(args.rounds, 1000)), "order": "desc"},
                       args.timeout)["items"]
+        accounts = _get(args.coordinator, "/api/accounting", {"run_id": run_id}, args.timeout)
     except (requests.RequestException, ValueError, KeyError) as e:
         print(f"swarmloco status: cannot read {args.coordinator}: {e}", file=sys.stderr)
         return 1
@@ -346,9 +355,28 @@ def run_status(args: argparse.Namespace) -> int:
          _fmt(p["last_train_loss"], ".4f")]
         for p in peers]))
     print()
+    _print_accounts(peers, accounts)
+    print()
     print(_table(["round", "outcome", "members", "tokens", "eval loss", "hash", "failure"], [
         [str(r["round"]), r["outcome"], str(len(r["members"])), _fmt(r["tokens_total"], ","),
          _fmt(r["eval_loss"], ".4f"), short_hash(r["state_hash"] or "-"),
          bounded("; ".join(r["failure_reasons"]), 60) or "-"]
         for r in rounds]))
     return 0
+
+
+def _print_accounts(peers: list[dict[str, Any]], run: dict[str, Any]) -> None:
+    """The contributors table and the run's goodput and cost (see swarmloco.coordinator.accounting)."""
+    print(_table(["contributor", "kind", "device h", "verified tokens", "wasted", "sent MiB", "recv MiB",
+                  "joined/led/missed", "resyncs", "lost s"], [
+        [p["peer_id"][-12:], p["device_kind"], _fmt(p["device_s"] / 3600, ".2f"), _fmt(p["credited_tokens"], ","),
+         _fmt(p["wasted_tokens"], ","), _fmt(p["bytes_sent"] / 2**20, ".1f"), _fmt(p["bytes_received"] / 2**20, ".1f"),
+         f"{p['rounds_joined']}/{p['rounds_led']}/{p['rounds_missed']}", str(p["resyncs"]), _fmt(p["lost_s"], ".0f")]
+        for p in sorted(peers, key=lambda p: -p["credited_tokens"])]))
+    hours = sum(run["device_hours"].values())
+    cost = "-" if run["cost"] is None else f"{run['cost']:.2f}"
+    per_point = run["cost_per_eval_loss_point"]
+    print(f"\ngoodput {_fmt(run['goodput_tokens_per_s'], ',.0f')} verified tokens/s; "
+          f"{run['verified_tokens']:,} verified, {run['wasted_tokens']:,} wasted; {hours:.2f} billed device-hours, "
+          f"cost {cost}" + ("" if per_point is None else f", {per_point:.2f} per point of eval loss")
+          + (f" (no --price for {', '.join(run['unpriced'])})" if run["unpriced"] else ""))

@@ -142,4 +142,49 @@ CREATE TABLE checkpoints (
 );
 """
 
-MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3)
+# What each peer contributed and what it cost (swarmloco.coordinator.store_accounts). Times are kept per *session*
+# (one run of the peer's process): device seconds are the span of a session's report timestamps, sessions never
+# overlap, so no peer is billed for more time than passed. Counters a session reports cumulatively (dropped tokens,
+# resyncs) are folded into the totals when the session ends. `rounds.billed`: device seconds by device kind of the
+# peers holding credit when the round was certified, for the run's cost over time. Peers known before this table
+# existed get their seconds and joined rounds from the round reports still kept.
+_V4 = """
+CREATE TABLE accounts (
+    run_id           TEXT NOT NULL,
+    peer_id          TEXT NOT NULL,
+    device_kind      TEXT NOT NULL DEFAULT 'other',
+    session          TEXT NOT NULL DEFAULT '',
+    session_start    REAL NOT NULL,
+    session_end      REAL NOT NULL,
+    closed_s         REAL NOT NULL DEFAULT 0,
+    compute_s        REAL NOT NULL DEFAULT 0,
+    lost_s           REAL NOT NULL DEFAULT 0,
+    rounds_joined    INTEGER NOT NULL DEFAULT 0,
+    rounds_led       INTEGER NOT NULL DEFAULT 0,
+    rounds_failed    INTEGER NOT NULL DEFAULT 0,
+    rounds_missed    INTEGER NOT NULL DEFAULT 0,
+    bytes_sent       INTEGER NOT NULL DEFAULT 0,
+    bytes_received   INTEGER NOT NULL DEFAULT 0,
+    refused_tokens   INTEGER NOT NULL DEFAULT 0,
+    exit_tokens      INTEGER NOT NULL DEFAULT 0,
+    closed_dropped   INTEGER NOT NULL DEFAULT 0,
+    closed_resyncs   INTEGER NOT NULL DEFAULT 0,
+    session_dropped  INTEGER NOT NULL DEFAULT 0,
+    session_resyncs  INTEGER NOT NULL DEFAULT 0,
+    pending_tokens   INTEGER NOT NULL DEFAULT 0,
+    pending_at       REAL NOT NULL DEFAULT 0,
+    PRIMARY KEY (run_id, peer_id)
+);
+ALTER TABLE rounds ADD COLUMN billed TEXT;
+CREATE INDEX rounds_certified ON rounds(run_id, round) WHERE certificate IS NOT NULL;
+INSERT INTO accounts(run_id, peer_id, device_kind, session_start, session_end, compute_s, rounds_joined)
+SELECT p.run_id, p.peer_id, CASE WHEN p.device LIKE 'cpu%' THEN 'cpu' ELSE 'other' END,
+       COALESCE(x.first, p.joined_at), COALESCE(x.last, p.joined_at), COALESCE(x.train, 0), COALESCE(x.n, 0)
+FROM peers p LEFT JOIN (
+    SELECT r.run_id, rr.peer_id, MIN(rr.timestamp - rr.train_s - rr.wait_s - rr.average_s) AS first,
+           MAX(rr.timestamp) AS last, SUM(rr.train_s) AS train, COUNT(*) AS n
+    FROM round_reports rr JOIN rounds r ON r.id = rr.round_id GROUP BY r.run_id, rr.peer_id
+) x ON x.run_id = p.run_id AND x.peer_id = p.peer_id;
+"""
+
+MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3, _V4)

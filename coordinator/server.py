@@ -95,7 +95,8 @@ class CoordinatorServer:
         self.config = config
         self.identity_path = config.identity_path or Path(str(config.db) + ".key")
         self.identity = load_or_create_identity(self.identity_path)
-        self.store = SQLiteStore(config.db, group_commit=config.group_commit)
+        self.store = SQLiteStore(config.db, group_commit=config.group_commit,
+                                 online_window_s=config.service.online_window_s)
         self.service = CoordinatorService(self.store, config.service, identity=self.identity)
         self._sock = socket.create_server((config.host, config.port), reuse_port=False)
         self.port: int = self._sock.getsockname()[1]

@@ -25,6 +25,7 @@ from typing import Any
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import generate_latest
 
+from swarmloco.coordinator.accounting import prices_problem, run_accounting, wasted_tokens
 from swarmloco.coordinator.authority import (
     HOSTILE_INPUT_ERRORS,
     LONE_SURROGATE,
@@ -72,6 +73,7 @@ class ServiceConfig:
     checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)  # signed heads, unless admission `none`
     # the settings every peer of the run shares, served in the run manifest (peer TOML sections; checked on load)
     run_settings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    prices: dict[str, float] = field(default_factory=dict)  # per device-hour, by device kind (the run's cost)
     # the task those settings train and the model fingerprint its peers will announce, both served in the manifest
     # ("": not known; computed by `swarmloco coordinator`, which may load the peer's task, from --run-config)
     run_task: str = ""
@@ -97,6 +99,8 @@ class ServiceConfig:
             raise ValueError(f"max_runs must be in [1, 1000000], got {self.max_runs}")
         if problem := settings_problem(self.run_settings):
             raise ValueError(f"run settings: {problem}")
+        if problem := prices_problem(self.prices):
+            raise ValueError(f"prices: {problem}")
         if problem := model_problem(self.run_task, self.run_fingerprint):
             raise ValueError(f"run model: {problem}")
 
@@ -272,10 +276,16 @@ class CoordinatorService:
         vouched = {peer: tokens for peer, tokens, _ in cp.seniors} if cp is not None else {}
         for p in page.items:
             p["online"] = p["left_at"] is None and p["last_seen"] >= since
+            p["wasted_tokens"] = wasted_tokens(p)
             if p["run_id"] == self.config.run_id:
                 p["vouched_tokens"] = vouched.get(p["peer_id"], 0)
                 p["seniority"] = cp.seniority(p["peer_id"]) if cp is not None else 0
         return self._page_json(page)
+
+    def accounting(self, run_id: str | None = None) -> dict[str, Any]:
+        """The run's goodput, cost and what its eval loss bought (`swarmloco.coordinator.accounting`)."""
+        return run_accounting(self.store, run_id or self.config.run_id, prices=self.config.prices, now=self.clock(),
+                              online_window_s=self.config.online_window_s)
 
     def rounds(self, **kw: Any) -> dict[str, Any]:
         return self._page_json(self.store.list_rounds(**kw))
@@ -321,6 +331,43 @@ class _StoreCollector:
                                      "Per-peer round duration (train + wait + average)")
         hist.add_metric([], buckets, sum_value=seconds)
         yield hist
+        yield from _account_families(store, self.service)
         reports = CounterMetricFamily("swarmloco_reports", "Reports stored")
         reports.add_metric([], store.counts()["reports"])
         yield reports
+
+
+def _account_families(store: Store, service: CoordinatorService) -> Iterator[Any]:
+    """Contribution and cost counters of every run, from the peers' accounts."""
+    seconds = CounterMetricFamily("swarmloco_device_seconds", "Device seconds peers were in a run, by device kind "
+                                  "and whether a certified round credited them", labels=["kind", "credited"])
+    compute = CounterMetricFamily("swarmloco_compute_seconds", "Seconds peers report training, by device kind",
+                                  labels=["kind", "credited"])
+    for kind, credited, device_s, compute_s in store.device_seconds():
+        seconds.add_metric([kind, str(credited).lower()], device_s)
+        compute.add_metric([kind, str(credited).lower()], compute_s)
+    yield seconds
+    yield compute
+    totals = store.account_totals(online_since=service.clock() - service.config.online_window_s)
+    wasted = CounterMetricFamily("swarmloco_wasted_tokens", "Tokens trained and not merged: refused by certified "
+                                 "rounds, dropped on resync, lost with peers that left")
+    wasted.add_metric([], totals["wasted_tokens"])
+    yield wasted
+    moved = CounterMetricFamily("swarmloco_averaging_bytes", "Bytes peers report moving in rounds",
+                                labels=["direction"])
+    moved.add_metric(["sent"], totals["bytes_sent"])
+    moved.add_metric(["received"], totals["bytes_received"])
+    yield moved
+    rounds = CounterMetricFamily("swarmloco_peer_rounds", "Rounds per peer role or fate, summed over peers",
+                                 labels=["kind"])
+    for kind in ("led", "failed", "missed"):
+        rounds.add_metric([kind], totals[f"rounds_{kind}"])
+    yield rounds
+    resyncs = CounterMetricFamily("swarmloco_resyncs", "Newer states peers adopted")
+    resyncs.add_metric([], totals["resyncs"])
+    yield resyncs
+    cost = service.accounting()["cost"]
+    if cost is not None:
+        gauge = GaugeMetricFamily("swarmloco_run_cost", "The coordinator's run: billed device-hours times --price")
+        gauge.add_metric([], cost)
+        yield gauge

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from swarmloco.coordinator.migrations import MIGRATIONS
+from swarmloco.coordinator.store_accounts import AccountTables
 from swarmloco.coordinator.store_aggregates import Aggregates
 from swarmloco.coordinator.store_authority import AuthorityTables, IssuedTicket
 from swarmloco.coordinator.store_checkpoints import CheckpointTables
@@ -97,6 +98,9 @@ class Store(Protocol):
     def rounds_by_outcome(self) -> dict[str, int]: ...
     def tokens_total(self) -> int: ...
     def credited_tokens(self) -> int: ...
+    def device_seconds(self, run_id: str | None = None) -> list[tuple[str, bool, float, float]]: ...
+    def account_totals(self, run_id: str | None = None, *, online_since: float = 0.0) -> dict[str, float]: ...
+    def certified_progress(self, run_id: str, limit: int) -> list[dict[str, Any]]: ...
     def certified_after(self, run_id: str, after: int, limit: int) -> list[str]: ...
     def online_peers(self, run_id: str, since: float) -> list[str]: ...
     def latest_checkpoint(self, run_id: str) -> dict[str, Any] | None: ...
@@ -107,8 +111,6 @@ class Store(Protocol):
     def close(self) -> None: ...
 
 
-
-
 def _ledger_body(body: dict[str, Any]) -> str:
     """The body as kept in the ledger: a certificate is kept once, with its round, and referenced by digest here."""
     if body.get("certificate"):
@@ -116,11 +118,13 @@ def _ledger_body(body: dict[str, Any]) -> str:
     return json.dumps(body, separators=(",", ":"))
 
 
-class SQLiteStore(AuthorityTables, CheckpointTables, Listings, Aggregates):
+class SQLiteStore(AuthorityTables, CheckpointTables, AccountTables, Listings, Aggregates):
     """SQLite implementation of :class:`Store`; thread-safe through one connection guarded by a lock."""
 
-    def __init__(self, path: str | Path, *, busy_timeout_s: float = 10.0, group_commit: bool = True) -> None:
+    def __init__(self, path: str | Path, *, busy_timeout_s: float = 10.0, group_commit: bool = True,
+                 online_window_s: float = 60.0) -> None:
         self.path = Path(path)
+        self.online_window_s = online_window_s  # who counts as online when a round is certified (missed rounds)
         self.group_commit = group_commit  # False: one transaction per report (the benchmark's baseline)
         self._lock = threading.Lock()
         self._queue_lock = threading.Lock()
@@ -287,6 +291,8 @@ class SQLiteStore(AuthorityTables, CheckpointTables, Listings, Aggregates):
             c.execute("UPDATE peers SET version=?, device=?, memory_bytes=?, tokens_per_s=? "
                       "WHERE run_id=? AND peer_id=?",
                       (b["version"], b["device"], b["memory_bytes"], b["tokens_per_s"], *key))
+            self._account(r, device_kind=b.get("device_kind") or self._kind_of(b["device"]))
+            self._account_work(r)
         elif r.kind == "bye":
             c.execute("UPDATE peers SET left_at=? WHERE run_id=? AND peer_id=?", (now, *key))
         elif r.kind == "heartbeat":
@@ -304,14 +310,17 @@ class SQLiteStore(AuthorityTables, CheckpointTables, Listings, Aggregates):
                       "last_train_loss=COALESCE(?, last_train_loss), "
                       "last_tokens_per_s=CASE WHEN ? THEN ? ELSE last_tokens_per_s END WHERE run_id=? AND peer_id=?",
                       (b["tokens_total"], b["train_loss"], training and b["tokens_per_s"] > 0, b["tokens_per_s"], *key))
+            self._account_work(r)
         elif r.kind == "round":
-            self._apply_round(r, report_id, certificate, prefer)
+            self._apply_round(r, report_id, now, certificate, prefer)
 
-    def _apply_round(self, r: Report, report_id: int, certificate: Certificate | None,
+    def _apply_round(self, r: Report, report_id: int, now: float, certificate: Certificate | None,
                      prefer: Prefer | None) -> None:
         c, b = self._conn, r.body
         committed = b["outcome"] == "committed"
         if committed and certificate is None:
+            self._account(r)
+            self._account_work(r)
             return  # the peer's own claim: kept in the ledger, but it neither creates nor credits a round
         if certificate is not None:  # members, their credited tokens and the new state: what the members signed
             s = certificate.statement
@@ -335,9 +344,12 @@ class SQLiteStore(AuthorityTables, CheckpointTables, Listings, Aggregates):
                 c.execute("UPDATE rounds SET certificate=?, members=?, tokens=? WHERE id=?",
                           (certificate.to_bytes().decode(), json.dumps(members), json.dumps(tokens), round_id))
                 self._credit(r.run_id, json.loads(old[1]), [-t for t in json.loads(old[2])])
+                replaced = Certificate.from_bytes(old[0].encode()).statement
+                self._account_certified(r.run_id, round_id, replaced, now, sign=-1)
                 certified = 1
             if certified:  # credited once, by the report that brought the certificate kept
                 self._credit(r.run_id, members, tokens)
+                self._account_certified(r.run_id, round_id, certificate.statement, now)
         first = c.execute("SELECT 1 FROM round_reports WHERE round_id=? AND peer_id=?",
                           (round_id, r.peer_id)).fetchone() is None
         c.execute("INSERT INTO round_reports(round_id, report_id, peer_id, timestamp, train_s, wait_s, average_s,"
@@ -347,6 +359,7 @@ class SQLiteStore(AuthorityTables, CheckpointTables, Listings, Aggregates):
         if committed and first:  # a member is credited once per round, however often it reports it
             c.execute("UPDATE peers SET rounds_committed=rounds_committed+1 WHERE run_id=? AND peer_id=?",
                       (r.run_id, r.peer_id))
+        self._account_round(r, first=first, credited=certificate is not None)
 
     def _credit(self, run_id: str, members: Sequence[str], tokens: Sequence[int]) -> None:
         """Add each member's credited tokens of one certified round to the ledger (negative: take them back)."""

@@ -7,6 +7,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from swarmloco.coordinator.store_accounts import ACCOUNT_COLUMNS, ACCOUNT_SELECT
+
 __all__ = ["Listings", "Page"]
 
 
@@ -61,12 +63,22 @@ class Listings:
                    descending: bool) -> Page:
         where, args = self._filters(run_id, peer_id)
         # credited_tokens: what certified rounds credited the peer as verified work; tokens_total is its own word
-        rows = self._page("SELECT rowid AS id, *, COALESCE((SELECT c.tokens FROM credits c WHERE c.run_id = "
-                          "peers.run_id AND c.peer_id = peers.peer_id), 0) AS credited_tokens, COALESCE((SELECT "
-                          "c.rounds FROM credits c WHERE c.run_id = peers.run_id AND c.peer_id = peers.peer_id), 0) "
-                          "AS credited_rounds FROM peers", where, args, id_col="rowid", limit=limit, cursor=cursor,
+        # and what the peer's account says it contributed and cost (swarmloco.coordinator.store_accounts)
+        rows = self._page(f"SELECT peers.rowid AS id, peers.*, COALESCE(k.tokens, 0) AS credited_tokens, "
+                          f"COALESCE(k.rounds, 0) AS credited_rounds, {ACCOUNT_SELECT} FROM peers LEFT JOIN credits "
+                          "k ON k.run_id = peers.run_id AND k.peer_id = peers.peer_id LEFT JOIN accounts a ON "
+                          "a.run_id = peers.run_id AND a.peer_id = peers.peer_id",
+                          [f"peers.{w}" for w in where], args, id_col="peers.rowid", limit=limit, cursor=cursor,
                           descending=descending)
-        return self._finish([dict(r) for r in rows], limit)
+        return self._finish([self._peer_item(r) for r in rows], limit)
+
+    @staticmethod
+    def _peer_item(row: sqlite3.Row) -> dict[str, Any]:
+        item = dict(row)
+        for col in ACCOUNT_COLUMNS:  # a peer with no account yet (it never said hello nor reported a round)
+            if item[col] is None:
+                item[col] = "other" if col == "device_kind" else 0
+        return item
 
     def list_metrics(self, *, run_id: str | None, peer_id: str | None, limit: int, cursor: int | None,
                      descending: bool) -> Page:

@@ -20,7 +20,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,28 +112,30 @@ class ReportSender:
             self._thread.start()
         return self
 
-    def hello(self, *, version: str, device: str, memory_bytes: int, tokens_per_s: float) -> bool:
+    def hello(self, *, version: str, device: str, memory_bytes: int, tokens_per_s: float,
+              extra: Mapping[str, Any] | None = None) -> bool:
+        """`extra`: optional schema fields (the accounting ones: device kind, session, pending tokens)."""
         return self._submit("hello", {"version": version, "device": device, "memory_bytes": int(memory_bytes),
-                                      "tokens_per_s": _finite_or_none(tokens_per_s) or 0.0})
+                                      "tokens_per_s": _finite_or_none(tokens_per_s) or 0.0, **(extra or {})})
 
     def heartbeat(self, *, round: int | None = None, tokens_total: int | None = None) -> bool:
         self._last_heartbeat_body = {"round": round, "tokens_total": tokens_total}
         return self._submit("heartbeat", dict(self._last_heartbeat_body))
 
     def report_metrics(self, *, step: int, train_loss: float | None, tokens_per_s: float, tokens_total: int,
-                       eval_loss: float | None = None) -> bool:
+                       eval_loss: float | None = None, extra: Mapping[str, Any] | None = None) -> bool:
         self._last_heartbeat_body["tokens_total"] = int(tokens_total)
         body: dict[str, Any] = {"step": int(step), "train_loss": _finite_or_none(train_loss),
                                 "tokens_per_s": _finite_or_none(tokens_per_s) or 0.0,
                                 "tokens_total": int(tokens_total)}
         if eval_loss is not None:
             body["eval_loss"] = _finite_or_none(eval_loss)
-        return self._submit("metrics", body)
+        return self._submit("metrics", {**body, **(extra or {})})
 
     def report_round(self, *, round: int, members: Sequence[str], tokens: Sequence[int], state_hash: str | None,
                      train_s: float, wait_s: float, average_s: float, outcome: str,
                      failure_reason: str | None = None, eval_loss: float | None = None,
-                     certificate: str | None = None) -> bool:
+                     certificate: str | None = None, extra: Mapping[str, Any] | None = None) -> bool:
         self._last_heartbeat_body["round"] = int(round)
         body: dict[str, Any] = {
             "round": int(round), "members": list(members), "tokens": [int(t) for t in tokens],
@@ -145,7 +147,7 @@ class ReportSender:
             body["eval_loss"] = _finite_or_none(eval_loss)
         if certificate:  # the commit certificate's JSON: without it the coordinator does not credit the round
             body["certificate"] = certificate
-        return self._submit("round", body)
+        return self._submit("round", {**body, **(extra or {})})
 
     @property
     def stats(self) -> ReportSenderStats:

@@ -75,7 +75,7 @@ class SwarmSync:
         self.net = replace(cfg.network, identity=identity)
         self.node = SwarmNode(self.net, credentials=self.admission.credentials, gate=self.admission.gate)
         self.reports = RoundReports(cfg.run.coordinator, identity, self.net.run_id)
-        self.staleness = self.resyncs = self.bytes_sent = self.bytes_received = 0
+        self.staleness = self.bytes_sent = self.bytes_received = 0
         self.state_hash = ""
         self.head: Head | None = None
         self.refused: tuple[int, str] | None = None  # the last state we downloaded and refused to adopt
@@ -180,9 +180,9 @@ class SwarmSync:
         ours = target.certificate is not None and target.round == r.round + 1 and \
             self.node.peer_id in target.certificate.statement.members
         keep = r.round_steps > 0 and staleness <= self.cfg.round.max_staleness and not ours
+        self.reports.resynced(0 if keep or ours else r.round_tokens)  # neither merged nor kept: wasted
         rebase(r, params, momentum, target.round, keep_progress=keep)
         self.staleness = staleness if keep else 0
-        self.resyncs += 1
         self.loop.progress.event(
             "resync",
             round=target.round,
@@ -334,7 +334,7 @@ class SwarmSync:
             certify_s=round_float(result.certify_s),  # of average_s: votes and the certificate
             exchange_s=round_float(marks[1] - marks[0]) if len(marks) == 3 else None,  # until the average is here
             pipes=result.pipes, direct=result.direct,  # shard connections to the others; of those, on TCP
-            bytes_sent=result.bytes_sent, audit_s=round_float(result.audit_s),  # (audit: of average_s)
+            bytes_sent=result.bytes_sent, bytes_received=result.bytes_received, audit_s=round_float(result.audit_s),
         )
         if result.outcome == Outcome.MISMATCH:
             # We rolled back; the certified state is the one the others reached.
@@ -356,7 +356,7 @@ class SwarmSync:
         report = {**entry, "step": self.replica.step, "tokens_total": self.replica.tokens}
         if certificate is not None:
             report["certificate"] = certificate.to_bytes().decode()  # what the coordinator credits the round by
-        self.reports.round(report)
+        self.reports.round(report, pending_tokens=self.replica.round_tokens)
         if entry.get("outcome") == Outcome.COMMITTED and not self._measured_hello:
             self._measured_hello = True
             self.reports.hello(self.replica, tokens_per_s=self.loop.progress.tokens_per_second())
@@ -381,7 +381,7 @@ class SwarmSync:
             loop.stop.event.wait(linger)  # keep serving our state to peers that are catching up
 
     def summary(self, loop: TrainingLoop) -> dict[str, Any]:
-        return {"peer_id": self.node.peer_id, "resyncs": self.resyncs, "bytes_sent": self.bytes_sent,
+        return {"peer_id": self.node.peer_id, "resyncs": self.reports.resyncs, "bytes_sent": self.bytes_sent,
                 "bytes_received": self.bytes_received}
 
     def close(self) -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -101,8 +103,6 @@ def kill(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL, timeout: floa
         proc.wait(timeout=timeout)
 
 
-
-
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -129,3 +129,39 @@ def stop_sessions(procs: list[subprocess.Popen[bytes]], baseline: set[int], *, g
         time.sleep(0.5)
     assert not left, f"processes left running: {left}"
 
+
+@contextlib.contextmanager
+def run_coordinator(root: Path, run_config: str, *extra: str) -> Iterator[dict[str, Any]]:
+    """`swarmloco coordinator` with a DHT node, run id "joined", the run config given and invite code "let-me-in";
+    yields its ready file's content with "procs" (the processes to end: add the peers you start) and "dir"."""
+    (root / "run.toml").write_text(run_config)
+    ready = root / "ready.json"
+    baseline = set(descendants(os.getpid()))
+    with open(root / "coordinator.log", "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "swarmloco.cli", "coordinator", "--db", str(root / "c.sqlite"), "--port", "0",
+             "--dht-host", "127.0.0.1", "--ready-file", str(ready), "--run-id", "joined", "--run-config",
+             str(root / "run.toml"), "--invite-code", "let-me-in", *extra],
+            cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    procs = [proc]
+    try:
+        deadline = time.monotonic() + 90
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, (root / "coordinator.log").read_text()
+            time.sleep(0.1)
+        yield {**json.loads(ready.read_text()), "procs": procs, "dir": root}
+    finally:
+        stop_sessions(procs, baseline)
+
+
+def join_peer(url: str, root: Path, i: int, n: int, *extra: str) -> subprocess.Popen[bytes]:
+    """`swarmloco peer --join URL` as peer i of n, in root/peer-i (log: root/peer-i.log, JSON events)."""
+    workdir = root / f"peer-{i}"
+    with open(root / f"peer-{i}.log", "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "swarmloco.cli", "peer", "--join", url, "--invite", "let-me-in",
+             "--workdir", str(workdir), "--batch-size", "4", "--threads", "1", "--host-maddr", "/ip4/127.0.0.1/tcp/0",
+             "--log-format", "json", "--eval-every", "1", "--checkpoint-every", "0", "--wait-for-peers", str(n),
+             "--summary-json", str(workdir / "summary.json"), "--shard-index", str(i), "--num-shards", str(n),
+             *extra],
+            cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -10,8 +10,8 @@ const OUTCOME_COLORS = { committed: "#2e9d5b", discarded: "#d08a1c", mismatch: "
 const PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
                  "#bcbd22", "#17becf"];
 
-const state = { runId: null, metricsCursor: null, metrics: [], rounds: [], peers: [], colors: new Map(),
-                refreshes: 0, lastError: null };
+const state = { runId: null, metricsCursor: null, metrics: [], rounds: [], peers: [], accounting: null,
+                colors: new Map(), refreshes: 0, lastError: null };
 window.swarmloco = state;  // for debugging and the browser test
 
 function peerColor(peerId) {
@@ -73,7 +73,65 @@ function initCharts() {
                  tooltip: { callbacks: { afterBody: (items) => roundTooltip(items) } } },
     },
   });
+  charts.cost = lineChart("chart-cost", "billed device-hours", "eval loss");
+  charts.contrib = new Chart(document.getElementById("chart-contrib"), {
+    type: "bar",
+    data: { labels: [], datasets: [] },
+    options: {
+      animation: false, responsive: true, maintainAspectRatio: false,
+      scales: { x: { stacked: true, title: { display: true, text: "peer" } },
+                y: { stacked: true, title: { display: true, text: "tokens" } } },
+      plugins: { legend: { position: "bottom", labels: { boxWidth: 12 } } },
+    },
+  });
   window.swarmlocoCharts = charts;
+}
+
+function updateAccounting() {
+  // What the run bought: eval loss over the device-hours of credited peers, and each contributor's verified and
+  // wasted work (refused by certified rounds, dropped on resync, lost with a process that ended).
+  const acc = state.accounting;
+  const points = (acc ? acc.progress : []).filter((p) => p.eval_loss !== null);
+  charts.cost.data.datasets = [{ label: "eval loss (certified rounds)", borderColor: "#000", backgroundColor: "#000",
+                                 data: points.map((p) => ({ x: p.device_hours, y: p.eval_loss })) }];
+  charts.cost.update();
+  const peers = [...state.peers].sort((a, b) => b.credited_tokens - a.credited_tokens);
+  charts.contrib.data.labels = peers.map((p) => short(p.peer_id));
+  charts.contrib.data.datasets = [
+    { label: "verified", data: peers.map((p) => p.credited_tokens), backgroundColor: "#2e9d5b" },
+    { label: "wasted", data: peers.map((p) => p.wasted_tokens), backgroundColor: "#c83a3a" },
+  ];
+  charts.contrib.update();
+  const body = document.querySelector("#contributors-table tbody");
+  body.replaceChildren();
+  for (const p of peers) {
+    const tr = document.createElement("tr");
+    const id = cell(tr, short(p.peer_id));
+    id.title = p.peer_id;
+    id.style.color = peerColor(p.peer_id);
+    cell(tr, p.device_kind);
+    cell(tr, fmt(p.device_s / 3600, 3), "num");
+    cell(tr, fmt(p.compute_s / 3600, 3), "num");
+    cell(tr, fmt(p.credited_tokens), "num");
+    cell(tr, fmt(p.wasted_tokens), "num").title = `refused ${fmt(p.refused_tokens)}, ` +
+      `dropped ${fmt(p.dropped_tokens)}, lost with a process ${fmt(p.exit_tokens)}, pending ${fmt(p.pending_tokens)}`;
+    cell(tr, fmt(p.bytes_sent / 2 ** 20, 1), "num");
+    cell(tr, fmt(p.bytes_received / 2 ** 20, 1), "num");
+    cell(tr, `${p.rounds_joined} / ${p.rounds_led} / ${p.rounds_missed}`, "num");
+    cell(tr, fmt(p.resyncs), "num");
+    cell(tr, fmt(p.lost_s, 0), "num");
+    body.appendChild(tr);
+  }
+  if (!acc) return;
+  document.getElementById("card-goodput").textContent =
+    acc.goodput_tokens_per_s === null ? "–" : fmt(acc.goodput_tokens_per_s) + " tok/s";
+  const perPoint = acc.cost_per_eval_loss_point === null ? "" : ` (${fmt(acc.cost_per_eval_loss_point, 2)})`;
+  document.getElementById("card-cost").textContent = acc.cost === null ? "–" : fmt(acc.cost, 2) + perPoint;
+  const hours = Object.values(acc.device_hours).reduce((s, h) => s + h, 0);
+  document.getElementById("contributors-note").textContent = `${fmt(acc.verified_tokens)} verified, ` +
+    `${fmt(acc.wasted_tokens)} wasted; ${fmt(hours, 2)} billed device-hours` +
+    (acc.cost === null ? (Object.keys(acc.prices).length ? `; no price for ${acc.unpriced.join(", ")}` :
+                          "; start the coordinator with --price for the cost") : "");
 }
 
 function roundTooltip(items) {
@@ -214,26 +272,29 @@ async function loadRuns() {
 }
 
 function selectRun(runId) {
-  Object.assign(state, { runId, metricsCursor: null, metrics: [], rounds: [], peers: [] });
+  Object.assign(state, { runId, metricsCursor: null, metrics: [], rounds: [], peers: [], accounting: null });
 }
 
 async function refresh() {
   try {
     if (state.refreshes % 10 === 0 || state.runId === null) await loadRuns();
     const run = state.runId;
-    const [peers, rounds, metrics] = await Promise.all([
+    const [peers, rounds, metrics, accounting] = await Promise.all([
       getAll("/api/peers", { run_id: run }),
       getAll("/api/rounds", { run_id: run }),
       getAll("/api/metrics", { run_id: run }, state.metricsCursor),
+      getJSON("/api/accounting", { run_id: run }),
     ]);
     if (run !== state.runId) return;  // the user switched runs meanwhile
     state.peers = peers.items;
+    state.accounting = accounting;
     state.rounds = rounds.items;
     state.metrics = state.metrics.concat(metrics.items);
     state.metricsCursor = metrics.cursor;
     updateCharts();
     updateTables();
     updateCards();
+    updateAccounting();
     state.refreshes += 1;
     state.lastError = null;
     document.getElementById("status").textContent = `updated ${new Date().toLocaleTimeString()}`;

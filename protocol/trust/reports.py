@@ -36,12 +36,14 @@ from swarmloco.protocol.base.text import bounded
 from swarmloco.protocol.trust.identity import Identity, verify
 
 __all__ = [
+    "DEVICE_KINDS",
     "KINDS",
     "MAX_CERTIFICATE_CHARS",
     "MAX_REPORT_BYTES",
     "NONCE_RE",
     "OUTCOMES",
     "PEER_ID_RE",
+    "ROLES",
     "RUN_ID_RE",
     "SIG_RE",
     "Report",
@@ -96,6 +98,15 @@ class _Field:
 
 _SECONDS = _Field(kind="float", hi=_MAX_SECONDS)
 _LOSS_OPT = _Field(kind="float", required=False, nullable=True, hi=_MAX_LOSS)
+# Accounting (all optional, the peer's own word): `session` names one run of the peer's process, so the coordinator
+# can tell a restart; `pending_tokens` is local work not yet merged into the agreed state; `dropped_tokens` counts,
+# for the whole session, local work the peer threw away (progress too stale to keep when it adopted a newer state),
+# and `resyncs` how often it adopted a newer state.
+_SESSION = _Field(kind="hex", required=False, max_len=64)
+_TOKENS_OPT = _Field(kind="int", required=False, hi=2**48)
+_BYTES_OPT = _Field(kind="int", required=False, hi=2**48)
+DEVICE_KINDS: tuple[str, ...] = ("cpu", "cuda", "mps", "xpu", "other")
+ROLES: tuple[str, ...] = ("leader", "member")
 
 BODY_SCHEMAS: dict[str, dict[str, _Field]] = {
     "hello": {
@@ -103,6 +114,9 @@ BODY_SCHEMAS: dict[str, dict[str, _Field]] = {
         "device": _Field(kind="str", max_len=128),
         "memory_bytes": _Field(kind="int"),
         "tokens_per_s": _Field(kind="float", hi=1e12),
+        "device_kind": _Field(kind="enum", required=False, choices=DEVICE_KINDS),
+        "session": _SESSION,
+        "pending_tokens": _TOKENS_OPT,  # local progress this process resumed with
     },
     "heartbeat": {
         "round": _Field(kind="int", required=False, nullable=True),
@@ -114,6 +128,10 @@ BODY_SCHEMAS: dict[str, dict[str, _Field]] = {
         "eval_loss": _LOSS_OPT,
         "tokens_per_s": _Field(kind="float", hi=1e12),
         "tokens_total": _Field(kind="int"),
+        "session": _SESSION,
+        "pending_tokens": _TOKENS_OPT,
+        "dropped_tokens": _TOKENS_OPT,
+        "resyncs": _Field(kind="int", required=False, hi=2**32),  # this session's adoptions of a newer state
     },
     "round": {
         "round": _Field(kind="int"),
@@ -128,6 +146,13 @@ BODY_SCHEMAS: dict[str, dict[str, _Field]] = {
         "eval_loss": _LOSS_OPT,
         # Certificate.to_bytes() as text: the coordinator credits a committed round only with a valid one
         "certificate": _Field(kind="str", required=False, nullable=True, max_len=MAX_CERTIFICATE_CHARS),
+        "session": _SESSION,
+        "pending_tokens": _TOKENS_OPT,
+        "dropped_tokens": _TOKENS_OPT,
+        "resyncs": _Field(kind="int", required=False, hi=2**32),  # this session's adoptions of a newer state
+        "role": _Field(kind="enum", required=False, choices=ROLES),  # this peer led the round, or was a member
+        "bytes_sent": _BYTES_OPT,  # this round's averaging traffic
+        "bytes_received": _BYTES_OPT,
     },
     "bye": {
         "reason": _Field(kind="str", required=False, nullable=True, max_len=200),

@@ -57,7 +57,7 @@ class Procs:
         self.procs.append(proc)
         return proc
 
-    def coordinator(self, db: Path, run_id: str, *, port: int = 0, timeout: float = 90.0,
+    def coordinator(self, db: Path, run_id: str, *extra: str, port: int = 0, timeout: float = 90.0,
                     ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
         """``python -m swarmloco.coordinator`` without a DHT node (the swarm launcher runs its own bootstrap node);
         invite-only, the default: its ready file, returned, has the ``invite`` code it generated."""
@@ -65,7 +65,7 @@ class Procs:
         ready.unlink(missing_ok=True)
         proc = self.spawn([sys.executable, "-m", "swarmloco.coordinator", "--db", str(db), "--host", "127.0.0.1",
                            "--port", str(port), "--ready-file", str(ready), "--run-id", run_id, "--no-dht",
-                           "--log-level", "WARNING"], self.workdir / "coordinator.log")
+                           "--log-level", "WARNING", *extra], self.workdir / "coordinator.log")
         deadline = time.monotonic() + timeout
         while not ready.exists():
             if proc.poll() is not None or time.monotonic() > deadline:

@@ -76,7 +76,7 @@ def test_dashboard_shows_real_swarm(procs: Procs, tmp_path: Path) -> None:
     reason = _missing()
     if reason:
         pytest.skip(reason)
-    _, info = procs.coordinator(tmp_path / "coordinator.sqlite", RUN_ID)
+    _, info = procs.coordinator(tmp_path / "coordinator.sqlite", RUN_ID, "--price", "cpu=0.25")
     url = info["url"]
     work, summary_path = tmp_path / "swarm", tmp_path / "summary.json"
     # --slowdown stretches each step (sleeping, not computing) so that the peers' 5 s metric reports give the
@@ -119,7 +119,8 @@ def test_dashboard_shows_real_swarm(procs: Procs, tmp_path: Path) -> None:
         assert len(throughput) == PEERS and all(d["data"] and all(p["y"] > 0 for p in d["data"]) for d in throughput)
         labels = driver.execute_script("return window.swarmlocoCharts.rounds.data.labels")
         assert labels == [str(r + 1) for r in range(ROUNDS)]
-        for canvas in ("chart-train", "chart-eval", "chart-throughput", "chart-rounds"):
+        _assert_contributors(driver, url, ids)
+        for canvas in ("chart-train", "chart-eval", "chart-throughput", "chart-rounds", "chart-cost", "chart-contrib"):
             assert driver.execute_script(_CANVAS_INK, canvas) > 2000, f"{canvas} looks empty"
 
         rows = driver.execute_script("return [...document.querySelectorAll('#peers-table tbody tr')]"
@@ -147,3 +148,25 @@ def test_dashboard_shows_real_swarm(procs: Procs, tmp_path: Path) -> None:
             shutil.copyfile(shot, ROOT / "docs" / "dashboard.png")
     finally:
         driver.quit()
+
+
+def _assert_contributors(driver: Any, url: str, ids: dict[str, str]) -> None:
+    """The contributors table, the contributions and cost charts and the cost card show what the API accounts."""
+    peers = {p["peer_id"]: p for p in get(url, "/api/peers", run_id=RUN_ID)["items"]}
+    run = get(url, "/api/accounting", run_id=RUN_ID)
+    rows = driver.execute_script("return [...document.querySelectorAll('#contributors-table tbody tr')]"
+                                 ".map(tr => [tr.cells[0].title, ...[...tr.cells].map(td => td.textContent)])")
+    assert sorted(r[0] for r in rows) == sorted(ids.values()), rows
+    for row in rows:
+        p = peers[row[0]]
+        assert row[2] == "cpu" and float(row[3]) > 0 and row[5] == f"{p['credited_tokens']:,}", (row, p)
+        assert row[9].startswith(f"{p['rounds_joined']} / ") and p["rounds_joined"] >= ROUNDS, (row, p)
+        assert float(row[7]) > 0 and float(row[8]) > 0, row  # MiB sent and received
+    contrib = driver.execute_script(_DATASETS, "contrib")
+    assert sorted(contrib[0]["data"]) == sorted(p["credited_tokens"] for p in peers.values()), contrib
+    (cost_curve,) = driver.execute_script(_DATASETS, "cost")
+    points = [p for p in run["progress"] if p["eval_loss"] is not None]
+    assert [p["y"] for p in cost_curve["data"]] == pytest.approx([p["eval_loss"] for p in points])
+    assert len(points) == ROUNDS and run["cost"] > 0
+    card = driver.execute_script("return document.getElementById('card-cost').textContent")
+    assert card.startswith(f"{run['cost']:.2f}"), (card, run["cost"])

@@ -7,7 +7,6 @@ test checks that none is left (p2pd included)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _coordinator_helpers import ROOT, child_env, descendants, stop_sessions
+from _coordinator_helpers import ROOT, child_env, join_peer, run_coordinator
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -50,24 +49,8 @@ def _one_line(proc: subprocess.CompletedProcess[str], code: int, text: str) -> N
 
 @pytest.fixture
 def coordinator(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    (tmp_path / "run.toml").write_text(RUN_CONFIG)
-    ready = tmp_path / "ready.json"
-    baseline = set(descendants(os.getpid()))
-    with open(tmp_path / "coordinator.log", "ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "swarmloco.cli", "coordinator", "--db", str(tmp_path / "c.sqlite"), "--port", "0",
-             "--dht-host", "127.0.0.1", "--ready-file", str(ready), "--run-id", "joined", "--run-config",
-             str(tmp_path / "run.toml"), "--invite-code", "let-me-in"],
-            cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    procs = [proc]
-    try:
-        deadline = time.monotonic() + 90
-        while not ready.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "coordinator.log").read_text()
-            time.sleep(0.1)
-        yield {**json.loads(ready.read_text()), "procs": procs, "dir": tmp_path}
-    finally:
-        stop_sessions(procs, baseline)
+    with run_coordinator(tmp_path, RUN_CONFIG) as info:
+        yield info
 
 
 def test_two_peers_join_with_the_url_alone_and_commit_rounds(coordinator: dict[str, Any]) -> None:
@@ -75,17 +58,7 @@ def test_two_peers_join_with_the_url_alone_and_commit_rounds(coordinator: dict[s
     manifest = json.loads(_cli_get(url + "/api/manifest"))
     assert manifest["run_id"] == "joined" and manifest["bootstrap"] and manifest["settings"]["train"] == {
         "lr": 1e-3, "warmup_steps": 5, "inner_steps": 10}  # the flag's name in the TOML, the field's in the manifest
-    peers = []
-    for i in range(2):
-        workdir = root / f"peer-{i}"
-        with open(root / f"peer-{i}.log", "ab") as log:
-            peers.append(subprocess.Popen(
-                [sys.executable, "-m", "swarmloco.cli", "peer", "--join", url, "--invite", "let-me-in",
-                 "--workdir", str(workdir), "--max-rounds", "2", "--batch-size", "4", "--threads", "1",
-                 "--host-maddr", "/ip4/127.0.0.1/tcp/0", "--log-format", "json", "--eval-every", "1",
-                 "--checkpoint-every", "0", "--wait-for-peers", "2", "--summary-json", str(workdir / "summary.json"),
-                 "--shard-index", str(i), "--num-shards", "2"],
-                cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    peers = [join_peer(url, root, i, 2, "--max-rounds", "2") for i in range(2)]
     coordinator["procs"].extend(peers)
     for i, p in enumerate(peers):
         assert p.wait(300) == 0, (root / f"peer-{i}.log").read_text()[-4000:]
