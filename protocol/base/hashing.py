@@ -3,11 +3,12 @@
 Peers compare these hashes to prove they hold bit-identical state after a round, and a joiner checks a downloaded
 state against the hash the swarm agreed on. The hash is the root of a two-level tree: the served blob (θ then m,
 fp32, little-endian, in the model's parameter order; `pack_state`) is cut into fixed `LEAF_BYTES` chunks, each
-chunk's sha256 is a leaf, and the root is the sha256 of a version tag, the layout (names, dtypes, shapes in the
+chunk's digest is a leaf, and the root is the sha256 of a version tag, the layout (names, dtypes, shapes in the
 served order), the total size, the leaf size and the leaves. So a joiner can check a donor's leaf list against the
 certified root before fetching anything, and every chunk against its leaf as it arrives: a lying donor costs one
 chunk, not the download. The leaves are hashed straight from the tensors' memory (no packed copy) on a few
-threads: sha256 releases the GIL, and the tree costs the flat hash plus a few µs.
+threads. A leaf is BLAKE3 of its chunk: 2.4x sha256's speed per core here (388 MiB in 0.09 s against 0.22 s), and
+it releases the GIL, so a joiner verifies at the speed it receives. The tree costs the leaves plus a few µs.
 """
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+from blake3 import blake3
 
-_TAG = b"swarmloco-state-tree-v2"
+_TAG = b"swarmloco-state-tree-v3"
 LEAF_BYTES = 4 << 20
 DIGEST_BYTES = 32
 # Leaves are independent, so a large state hashes on several cores; the pool is small because peers hash on the
@@ -82,14 +84,19 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def _leaf(parts: list[memoryview]) -> bytes:
-    h = hashlib.sha256()
+    h = blake3()
     for part in parts:
         h.update(part)
     return h.digest()
 
 
+def leaf_digest(chunk: memoryview | bytes | bytearray) -> bytes:
+    """The leaf digest of one chunk of a served blob (what a joiner checks each chunk it receives against)."""
+    return blake3(chunk).digest()
+
+
 def leaf_digests(views: Sequence[memoryview | bytes | bytearray]) -> list[bytes]:
-    """sha256 of every `LEAF_BYTES` chunk of the concatenation of `views`, without concatenating them."""
+    """The digest of every `LEAF_BYTES` chunk of the concatenation of `views`, without concatenating them."""
     leaves: list[list[memoryview]] = [[]]
     room = LEAF_BYTES
     total = 0

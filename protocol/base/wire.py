@@ -39,13 +39,16 @@ async def write_frame(
 
 
 async def read_frame(
-    reader: asyncio.StreamReader, header_type: type[M], *, max_payload: int, timeout: float
-) -> tuple[M, bytearray]:
+    reader: asyncio.StreamReader, header_type: type[M], *, max_payload: int, timeout: float,
+    into: memoryview | None = None,
+) -> tuple[M, bytearray | memoryview]:
     """Read one frame within `timeout` seconds for the whole of it; the payload is returned as a writable bytearray
-    (tensors can wrap it without a copy)."""
+    (tensors can wrap it without a copy), or with `into` written to the start of `into` and returned as that slice
+    (a payload longer than `into` is refused like one over `max_payload`)."""
+    limit = max_payload if into is None else min(max_payload, len(into))
     try:
         async with asyncio.timeout(timeout):
-            raw, payload = await _read_frame(reader, max_payload)
+            raw, payload = await _read_frame(reader, limit, into)
     except asyncio.IncompleteReadError as exc:
         raise WireError("stream closed by peer") from exc
     except TimeoutError as exc:
@@ -55,10 +58,11 @@ async def read_frame(
     return parse_header(header_type, raw), payload
 
 
-async def _read_frame(reader: asyncio.StreamReader, max_payload: int) -> tuple[bytes, bytearray]:
+async def _read_frame(reader: asyncio.StreamReader, max_payload: int,
+                      into: memoryview | None = None) -> tuple[bytes, bytearray | memoryview]:
     raw = await reader.readexactly(header_length(await reader.readexactly(HEADER_LEN.size)))
     size = payload_length(await reader.readexactly(PAYLOAD_LEN.size), max_payload)
-    payload = bytearray(size)
+    payload: bytearray | memoryview = bytearray(size) if into is None else into[:size]
     view, got = memoryview(payload), 0
     while got < size:
         chunk = await reader.read(min(_CHUNK * 4, size - got))

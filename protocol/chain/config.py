@@ -11,7 +11,9 @@ class FetchConfig:
     """The joiner's side: how many donors at once, how deep each pipeline, and every wait's bound."""
 
     max_donors: int = 4
-    window: int = 4  # chunks requested ahead per donor
+    # chunks requested ahead per donor: each lands in place, so depth costs the joiner no memory, and keeps the
+    # donor sending while the joiner's loop is busy; a slow donor holds at most this many when it is dropped
+    window: int = 8
     chunk_timeout_s: float = 20.0
     connect_timeout_s: float = 3.0
     control_timeout_s: float = 15.0

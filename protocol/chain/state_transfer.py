@@ -4,15 +4,15 @@ A joiner opens a session with each donor on the authenticated libp2p state proto
 (`swarmloco.protocol.chain.state_sync`): the donor answers with the leaf digests of the state it serves, its TCP
 data-plane addresses and a one-time token. The joiner checks the leaves against the certified root before asking for
 anything, then pulls chunks by index over direct TCP (the libp2p stream when TCP cannot connect), a few in flight per
-donor, from a queue shared by all donors, so a fast donor takes more. Every chunk is checked against its leaf as it
-arrives and copied into place; a chunk that fails is fetched again from another donor and its donor dropped, and a
-donor that breaks or stalls hands its in-flight chunks back to the queue. Donors bound their sessions (in total and per
-requester) and give each chunk one deadline; a refused joiner is told "busy" and tries another donor, or later.
+donor, from a queue shared by all donors, so a fast donor takes more. Each chunk is received straight into its place
+in the blob and checked there against its leaf; a chunk that fails is fetched again from another donor and its donor
+dropped, and a donor that breaks or stalls hands its in-flight chunks back to the queue. Donors bound their sessions
+(in total and per requester) and give each chunk one deadline; a refused joiner is told "busy" and tries another
+donor, or later.
 """
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import random
 import time
@@ -22,12 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-import numpy as np
-import torch
 from google.protobuf.message import Message
 
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
-from swarmloco.protocol.base.hashing import DIGEST_BYTES, LEAF_BYTES, StateLayout, remember_leaves
+from swarmloco.protocol.base.buffers import prefaulted_buffer
+from swarmloco.protocol.base.hashing import DIGEST_BYTES, LEAF_BYTES, StateLayout, leaf_digest, remember_leaves
 from swarmloco.protocol.base.records import PROTOCOL_VERSION
 from swarmloco.protocol.base.text import bounded, short_id
 from swarmloco.protocol.base.wire import WireError, close_writer, read_frame, write_frame
@@ -94,7 +93,8 @@ class Channel(Protocol):
     async def send_frame(self, header: Message, payload: bytes | bytearray | memoryview = b"", *,
                          timeout: float) -> None: ...
 
-    async def recv_frame(self, header_type: type[M], *, max_payload: int, timeout: float) -> tuple[M, bytearray]: ...
+    async def recv_frame(self, header_type: type[M], *, max_payload: int, timeout: float,
+                         into: memoryview | None = None) -> tuple[M, bytearray | memoryview]: ...
 
     def close(self) -> None: ...
 
@@ -107,8 +107,9 @@ class StreamChannel:
                          timeout: float) -> None:
         await write_frame(self.writer, header, payload, timeout=timeout)
 
-    async def recv_frame(self, header_type: type[M], *, max_payload: int, timeout: float) -> tuple[M, bytearray]:
-        return await read_frame(self.reader, header_type, max_payload=max_payload, timeout=timeout)
+    async def recv_frame(self, header_type: type[M], *, max_payload: int, timeout: float,
+                         into: memoryview | None = None) -> tuple[M, bytearray | memoryview]:
+        return await read_frame(self.reader, header_type, max_payload=max_payload, timeout=timeout, into=into)
 
     def close(self) -> None:
         close_writer(self.writer)
@@ -158,11 +159,10 @@ class Transfer:
         self.node, self.layout, self.cfg = node, layout, cfg
         self.round_number, self.state_hash = round_number, state_hash
         self.fingerprint, self.ticket = fingerprint, ticket
-        # Not zero-filled (a bytearray would be: one more pass over the whole state, on the loop, before the first
-        # request); every byte is written by a verified chunk before the blob is returned.
-        self._buffer = torch.empty(layout.total_bytes, dtype=torch.uint8)
-        self._array = self._buffer.numpy()
-        self.blob = memoryview(self._array)
+        # Not zero-filled by us (a bytearray would be: one more pass over the whole state, on the loop, before the
+        # first request), its pages faulted in on another core ahead of the chunks; every byte is written by a
+        # verified chunk before the blob is returned.
+        self.blob = memoryview(prefaulted_buffer(layout.total_bytes))
         self.leaves: tuple[bytes, ...] | None = None
         self.pending: deque[int] = deque(range(layout.leaves))
         self.missing = layout.leaves
@@ -171,9 +171,12 @@ class Transfer:
         self.liars: set[str] = set()
         self.busy: list[str] = []
         self.chunks_from: dict[str, int] = {}
+        self.depth = cfg.window  # chunks requested ahead per donor (see `run`)
 
     async def run(self, donors: Sequence[str]) -> memoryview:
         queue = list(dict.fromkeys(d for d in donors if d != self.node.peer_id))
+        # Each donor's pipeline is at most its share of the chunks: a small state is still spread over the donors.
+        self.depth = min(self.cfg.window, -(-self.layout.leaves // max(1, min(self.cfg.max_donors, len(queue)))))
         active: set[asyncio.Task[None]] = set()
         pause = self.cfg.busy_retry_s
         try:
@@ -264,7 +267,7 @@ class Transfer:
         timeout = self.cfg.chunk_timeout_s
         try:
             while donor not in self.liars:
-                while len(in_flight) < self.cfg.window and self.pending:
+                while len(in_flight) < self.depth and self.pending:
                     index = self.pending.popleft()
                     in_flight.append(index)
                     await channel.send_frame(pb.StateChunkRequest(index=index), timeout=timeout)
@@ -278,16 +281,18 @@ class Transfer:
                         await self.changed.wait()
                     continue
                 index = in_flight[0]
-                header, payload = await channel.recv_frame(pb.StateChunk, max_payload=LEAF_BYTES, timeout=timeout)
                 start, length = self.layout.chunk(index)
+                # straight into its place in the blob (no copy): only this donor writes there until it is checked
+                header, payload = await channel.recv_frame(pb.StateChunk, max_payload=LEAF_BYTES, timeout=timeout,
+                                                           into=self.blob[start : start + length])
                 if not header.ok or header.index != index or len(payload) != length:
                     raise _Lied(f"chunk {index}: got #{header.index}, {len(payload)} bytes, ok={header.ok}")
                 in_flight.popleft()
-                check = loop.run_in_executor(_VERIFY, self._place, index, payload)
+                check = loop.run_in_executor(_VERIFY, self._check, index)
                 check.add_done_callback(lambda f, i=index: self._checked(donor, i, f))
                 checks.add(check)
                 check.add_done_callback(checks.discard)
-                if len(checks) >= self.cfg.window:
+                if len(checks) >= self.depth:
                     await asyncio.wait(checks, return_when=asyncio.FIRST_COMPLETED)
             raise _Lied("served a chunk that does not match its leaf digest")
         finally:
@@ -295,14 +300,11 @@ class Transfer:
             if in_flight:
                 self.changed.set()
 
-    def _place(self, index: int, payload: bytearray) -> bool:
-        """On a verify thread: check one chunk against its leaf and copy it into the blob."""
+    def _check(self, index: int) -> bool:
+        """On a verify thread: whether the chunk received in place matches its leaf (the hash releases the GIL)."""
         assert self.leaves is not None
-        if hashlib.sha256(payload).digest() != self.leaves[index]:
-            return False
         start, length = self.layout.chunk(index)
-        self._array[start : start + length] = np.frombuffer(payload, dtype=np.uint8)  # numpy copies without the GIL
-        return True
+        return leaf_digest(self.blob[start : start + length]) == self.leaves[index]
 
     def _checked(self, donor: str, index: int, check: asyncio.Future[bool]) -> None:
         ok = not check.cancelled() and check.exception() is None

@@ -91,10 +91,13 @@ class DataConn:
             f"sending {type(header).__name__}", self._send_all, [prefix, payload], time.monotonic() + timeout
         )
 
-    async def recv_frame(self, header_type: type[M], *, max_payload: int, timeout: float) -> tuple[M, bytearray]:
-        """One frame; the payload is a writable bytearray, filled in place by the kernel."""
+    async def recv_frame(self, header_type: type[M], *, max_payload: int, timeout: float,
+                         into: memoryview | None = None) -> tuple[M, bytearray | memoryview]:
+        """One frame; the payload is a writable bytearray, filled in place by the kernel, or with `into` the start of
+        `into` itself (a payload longer than `into` is refused like one over `max_payload`)."""
         deadline = time.monotonic() + timeout
-        raw, payload = await self._run(f"reading {header_type.__name__}", self._recv_frame, max_payload, deadline)
+        limit = max_payload if into is None else min(max_payload, len(into))
+        raw, payload = await self._run(f"reading {header_type.__name__}", self._recv_frame, limit, deadline, into)
         return parse_header(header_type, raw), payload
 
     async def read_eof(self, *, timeout: float) -> None:
@@ -149,12 +152,14 @@ class DataConn:
         self._recv_into(memoryview(out), deadline)
         return out
 
-    def _recv_frame(self, max_payload: int, deadline: float) -> tuple[bytearray, bytearray]:
+    def _recv_frame(self, max_payload: int, deadline: float,
+                    into: memoryview | None = None) -> tuple[bytearray, bytearray | memoryview]:
         raw = self._recv_exact(header_length(bytes(self._recv_exact(HEADER_LEN.size, deadline))), deadline)
-        payload = self._recv_exact(
-            payload_length(bytes(self._recv_exact(PAYLOAD_LEN.size, deadline)), max_payload), deadline
-        )
-        return raw, payload
+        size = payload_length(bytes(self._recv_exact(PAYLOAD_LEN.size, deadline)), max_payload)
+        if into is None:
+            return raw, self._recv_exact(size, deadline)
+        self._recv_into(into[:size], deadline)
+        return raw, into[:size]
 
     def _recv_eof(self, deadline: float) -> None:
         while True:

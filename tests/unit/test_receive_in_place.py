@@ -1,0 +1,71 @@
+"""Receiving a frame straight into a caller's buffer (how a joiner places state chunks), and the prefaulted buffers
+those chunks land in."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+
+from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
+from swarmloco.protocol.base.buffers import prefaulted_buffer
+from swarmloco.protocol.base.wire import WireError, frame_prefix, read_frame
+from swarmloco.protocol.network.data_plane import DataConn
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _frame(payload: bytes) -> bytes:
+    return frame_prefix(pb.StateChunk(index=3, ok=True), len(payload)) + payload
+
+
+def _pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        a = socket.create_connection(listener.getsockname(), timeout=5)
+        b, _ = listener.accept()
+    return a, b
+
+
+@pytest.mark.parametrize("transport", ["data-conn", "stream"])
+def test_a_payload_lands_in_the_callers_buffer_and_a_longer_one_is_refused(transport: str) -> None:
+    target = bytearray(b"." * 16)
+
+    async def receive(data: bytes, into: memoryview) -> tuple[pb.StateChunk, bytearray | memoryview]:
+        if transport == "stream":
+            reader = asyncio.StreamReader()
+            reader.feed_data(data)
+            reader.feed_eof()
+            return await read_frame(reader, pb.StateChunk, max_payload=1 << 20, timeout=5, into=into)
+        a, b = _pair()
+        conn = DataConn(b)
+        try:
+            a.sendall(data)
+            return await conn.recv_frame(pb.StateChunk, max_payload=1 << 20, timeout=5, into=into)
+        finally:
+            conn.close()
+            a.close()
+
+    header, payload = asyncio.run(receive(_frame(b"0123456789"), memoryview(target)[4:]))
+    assert header.index == 3 and bytes(payload) == b"0123456789"
+    assert target == b"....0123456789.."  # written where asked, nothing copied elsewhere
+    with pytest.raises(WireError):  # 13 bytes do not fit the 12 left: refused before anything is read into it
+        asyncio.run(receive(_frame(b"x" * 13), memoryview(target)[4:]))
+    assert target == b"....0123456789.."
+
+
+def test_a_prefaulted_buffer_is_writable_zeroed_memory_of_the_size_asked() -> None:
+    small = prefaulted_buffer(1000)
+    assert small.shape == (1000,) and small.flags.writeable
+    size = (96 << 20) + 5
+    big = prefaulted_buffer(size)
+    assert big.shape == (size,) and big.flags.writeable
+    assert not big[:: 1 << 20].any() and big[-1] == 0  # fresh anonymous pages read as zeros
+    big[-5:] = 7
+    memoryview(big)[: 1 << 20] = b"\x01" * (1 << 20)
+    assert big[-5:].tolist() == [7] * 5 and big[(1 << 20) - 1] == 1 and big[1 << 20] == 0
+    deadline = time.monotonic() + 20  # the prefault thread ends on its own
+    while any(t.name == "swarmloco-prefault" for t in threading.enumerate()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
