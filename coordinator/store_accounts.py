@@ -113,7 +113,7 @@ class AccountTables:
                   "AND peer_id IN (SELECT peer_id FROM peers WHERE run_id=? AND left_at IS NULL AND last_seen>=?)",
                   (sign, run_id, *statement.members, run_id, now - self.online_window_s))
         if sign > 0:
-            billed = c.execute(f"SELECT a.device_kind, SUM({_DEVICE_S}) FROM accounts a JOIN credits k ON "
+            billed = c.execute(f"SELECT a.device_kind, TOTAL({_DEVICE_S}) FROM accounts a JOIN credits k ON "
                                "k.run_id=a.run_id AND k.peer_id=a.peer_id WHERE a.run_id=? AND k.rounds>0 "
                                "GROUP BY a.device_kind", (run_id,)).fetchall()
             c.execute("UPDATE rounds SET billed=? WHERE id=?",
@@ -126,28 +126,32 @@ class AccountTables:
         where, args = ("WHERE a.run_id=?", [run_id]) if run_id is not None else ("", [])
         with self._lock:
             rows = self._conn.execute(
-                f"SELECT a.device_kind, COALESCE(k.rounds, 0) > 0 AS credited, SUM({_DEVICE_S}), "
-                f"SUM(MIN(a.compute_s, {_DEVICE_S})) FROM accounts a LEFT JOIN credits k ON k.run_id=a.run_id AND "
+                f"SELECT a.device_kind, COALESCE(k.rounds, 0) > 0 AS credited, TOTAL({_DEVICE_S}), "
+                f"TOTAL(MIN(a.compute_s, {_DEVICE_S})) FROM accounts a LEFT JOIN credits k ON k.run_id=a.run_id AND "
                 f"k.peer_id=a.peer_id {where} GROUP BY a.device_kind, credited", args).fetchall()
         return [(r[0], bool(r[1]), float(r[2] or 0.0), float(r[3] or 0.0)) for r in rows]
 
     def account_totals(self, run_id: str | None = None, *, online_since: float = 0.0) -> dict[str, float]:
         """Sums over the peers' accounts: verified (credited) tokens, bytes, rounds led/failed/missed, resyncs, the
-        tokens wasted — work still pending counts as wasted only for peers no longer online (seen before
-        `online_since`, or gone) — the pending work of online peers, and when the first session started."""
+        tokens wasted, the pending work of online peers, and when the first session started.
+
+        Wasted: refused by certified rounds, plus — for peers some certified round credited, since a peer's own
+        figures about its work must not let an identity that never did verified work inflate the run's — dropped,
+        lost with ended sessions, and pending in peers no longer online (seen before `online_since`, or gone).
+        TOTAL, not SUM: the peers' numbers are bounded one by one, and their sum must not overflow."""
         where, args = ("WHERE a.run_id=?", [run_id]) if run_id is not None else ("", [])
         with self._lock:
             row = self._conn.execute(
-                "SELECT COALESCE(SUM(a.bytes_sent), 0), COALESCE(SUM(a.bytes_received), 0), "
-                "COALESCE(SUM(a.rounds_led), 0), COALESCE(SUM(a.rounds_failed), 0), COALESCE(SUM(a.rounds_missed), 0),"
-                " COALESCE(SUM(a.closed_resyncs + a.session_resyncs), 0), COALESCE(SUM(a.refused_tokens + "
-                "a.exit_tokens + a.closed_dropped + a.session_dropped + CASE WHEN p.online THEN 0 ELSE "
-                "a.pending_tokens END), 0), COALESCE(SUM(CASE WHEN p.online THEN a.pending_tokens ELSE 0 END), 0), "
-                "MIN(a.session_start) FROM accounts a LEFT JOIN (SELECT run_id, peer_id, left_at IS NULL AND "
-                "last_seen >= ? AS online FROM peers) p ON p.run_id=a.run_id AND p.peer_id=a.peer_id "
+                "SELECT TOTAL(a.bytes_sent), TOTAL(a.bytes_received), TOTAL(a.rounds_led), TOTAL(a.rounds_failed), "
+                "TOTAL(a.rounds_missed), TOTAL(a.closed_resyncs + a.session_resyncs), TOTAL(a.refused_tokens + CASE "
+                "WHEN COALESCE(k.rounds, 0) > 0 THEN a.exit_tokens + a.closed_dropped + a.session_dropped + CASE WHEN "
+                "p.online THEN 0 ELSE a.pending_tokens END ELSE 0 END), TOTAL(CASE WHEN p.online THEN "
+                "a.pending_tokens ELSE 0 END), MIN(a.session_start) FROM accounts a LEFT JOIN (SELECT run_id, "
+                "peer_id, left_at IS NULL AND last_seen >= ? AS online FROM peers) p ON p.run_id=a.run_id AND "
+                "p.peer_id=a.peer_id LEFT JOIN credits k ON k.run_id=a.run_id AND k.peer_id=a.peer_id "
                 f"{where}", [online_since, *args]).fetchone()
             credited = self._conn.execute(
-                f"SELECT COALESCE(SUM(tokens), 0) FROM credits {where.replace('a.', '')}", args).fetchone()[0]
+                f"SELECT TOTAL(tokens) FROM credits {where.replace('a.', '')}", args).fetchone()[0]
         keys = ("bytes_sent", "bytes_received", "rounds_led", "rounds_failed", "rounds_missed", "resyncs",
                 "wasted_tokens", "pending_tokens")
         totals: dict[str, float] = {k: int(v) for k, v in zip(keys, row[:-1], strict=True)}
@@ -160,8 +164,8 @@ class AccountTables:
         the first eval loss reported for its state, its time and the billed device seconds by kind."""
         with self._lock:
             rows = self._conn.execute(
-                "SELECT * FROM (SELECT round, at, billed, eval_loss, SUM(tokens) OVER (ORDER BY round, id) AS tokens "
-                "FROM (SELECT r.id, r.round, r.first_reported_at AS at, r.billed, (SELECT SUM(value) FROM "
+                "SELECT * FROM (SELECT round, at, billed, eval_loss, TOTAL(tokens) OVER (ORDER BY round, id) AS tokens "
+                "FROM (SELECT r.id, r.round, r.first_reported_at AS at, r.billed, (SELECT TOTAL(value) FROM "
                 "json_each(r.tokens)) AS tokens, (SELECT rr.eval_loss FROM round_reports rr WHERE rr.round_id=r.id "
                 "AND rr.eval_loss IS NOT NULL ORDER BY rr.id LIMIT 1) AS eval_loss FROM rounds r WHERE r.run_id=? "
                 "AND r.certificate IS NOT NULL) ORDER BY round DESC, tokens DESC LIMIT ?) ORDER BY round, tokens",

@@ -30,10 +30,10 @@ class Aggregates:
         return {r[0]: int(r[1]) for r in rows}
 
     def tokens_total(self) -> int:
-        return int(self._scalar("SELECT COALESCE(SUM(tokens_total), 0) FROM peers"))
+        return int(self._scalar("SELECT TOTAL(tokens_total) FROM peers"))
 
     def credited_tokens(self) -> int:
-        return int(self._scalar("SELECT COALESCE(SUM(tokens), 0) FROM credits"))
+        return int(self._scalar("SELECT TOTAL(tokens) FROM credits"))
 
     def round_duration_histogram(self, edges: Sequence[float]) -> tuple[list[int], int, float]:
         """Cumulative counts of per-peer round durations <= each edge, the total count and the sum."""

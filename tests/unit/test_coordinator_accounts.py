@@ -154,6 +154,35 @@ def test_attack_no_identity_is_billed_for_time_that_did_not_pass(env: ServiceEnv
     assert after["unbilled_device_hours"] == {"cuda": pytest.approx(5 * 6 / 3600)}
 
 
+def test_attack_huge_claims_neither_overflow_the_sums_nor_count_as_the_runs_waste(env: ServiceEnv,
+                                                                                 ids: list[Identity]) -> None:
+    """Each field is bounded (2^48), but a stranger repeats its largest claims: the run's sums must still answer
+    (SQLite's SUM raises on overflow) and its waste must not take the word of an identity no round credited."""
+    honest, sybils = ids[0], ids[1:4]
+    tickets = env.admit(honest, *sybils)
+    _hello(env, honest, "aa" * 8)
+    _round(env, honest, "aa" * 8, certificate([honest], tickets, run_id="run", round=1, members=[honest.peer_id]))
+    big = 2**48
+    for n, sybil in enumerate(sybils):
+        for k in range(200):
+            session = f"{n:02x}{k:04x}" + "0" * 10
+            env.clock.now += 0.01  # within the per-client rate limit
+            _hello(env, sybil, session)
+            _ok(env.report(sybil, "round", {**round_body(1, [sybil.peer_id], outcome="discarded"),
+                                            "session": session, "pending_tokens": big, "dropped_tokens": big,
+                                            "bytes_sent": big, "bytes_received": big, "resyncs": 2**32}))
+    assert env.peer(sybils[0])["exit_tokens"] == 199 * big  # its own row shows its claim...
+    run = env.service.accounting()
+    assert run["wasted_tokens"] == 0 and run["verified_tokens"] == 1000  # ...the run's waste does not
+    assert run["bytes_sent"] == 3 * big + 2**20  # bytes count once per round and peer
+    # As after 2^15 such sessions each: every row near 2^62, so their sum is past SQLite's 64-bit integers.
+    env.store._conn.execute("UPDATE accounts SET exit_tokens=?, bytes_sent=?, rounds_missed=? WHERE peer_id!=?",
+                            (2**62, 2**62, 2**62, honest.peer_id))
+    run = env.service.accounting()
+    assert run["bytes_sent"] >= 3 * 2**62 and run["wasted_tokens"] == 0
+    assert "swarmloco_wasted_tokens_total 0.0" in env.service.prometheus_text().decode()
+
+
 def test_prices_parse_or_refuse_in_one_line() -> None:
     assert parse_prices("cuda=2.1, cpu=0.05") == {"cuda": 2.1, "cpu": 0.05}
     for bad, says in (("cuda", "is not KIND=PRICE"), ("tpu=1", "unknown device kind 'tpu'"),
