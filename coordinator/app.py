@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from swarmloco.coordinator.dialback import DialBacker
+from swarmloco.coordinator.linktest import MAX_BYTES as MAX_LINK_BYTES
+from swarmloco.coordinator.linktest import LinkTester
 from swarmloco.coordinator.service import CoordinatorService
 from swarmloco.protocol.trust.ticket_request import MAX_REQUEST_BYTES
 
@@ -72,6 +75,7 @@ async def _read_capped(request: Request, cap: int) -> bytes | None:
 def create_app(service: CoordinatorService) -> FastAPI:
     """Build the ASGI app; ``service`` owns the store and policies."""
     dial_backer = DialBacker()
+    link_tester = LinkTester()
     app = FastAPI(title="swarmloco coordinator", version="1", summary="Records swarm runs, peers, rounds, metrics.",
                   default_response_class=AsciiJSONResponse)
 
@@ -124,6 +128,35 @@ def create_app(service: CoordinatorService) -> FastAPI:
         client = request.client.host if request.client else "?"
         answer = await dial_backer.dial(client, port)
         return AsciiJSONResponse(status_code=answer.status, content=answer.body)
+
+    @app.get("/api/linktest", summary="BYTES of incompressible data, for `swarmloco doctor` to time this link's "
+                                      "download (rate-limited per address)", responses={400: {}, 429: {}})
+    async def get_linktest(request: Request, size: Annotated[int, Query(alias="bytes")] = 1 << 20) -> Response:
+        slot, refusal = link_tester.admit(request.client.host if request.client else "?", size)
+        if refusal:
+            return _error(429 if "retry" in refusal else 400, refusal)
+        return StreamingResponse(link_tester.payload(slot, size), media_type="application/octet-stream",
+                                 headers={"Content-Length": str(size), "Cache-Control": "no-store"})
+
+    @app.post("/api/linktest", summary="Read and discard a body of at most 16 MiB, for `swarmloco doctor` to time "
+                                       "this link's upload", responses={400: {}, 413: {}, 429: {}})
+    async def post_linktest(request: Request) -> JSONResponse:
+        declared = request.headers.get("content-length", "")
+        size = int(declared) if declared.isascii() and declared.isdigit() and len(declared) < 10 else 0
+        slot, refusal = link_tester.admit(request.client.host if request.client else "?", max(1, size))
+        if refusal:
+            return _error(429 if "retry" in refusal else 413, refusal)
+        started, got = time.monotonic(), 0
+        try:
+            async for chunk in request.stream():
+                got += len(chunk)
+                if got > MAX_LINK_BYTES:
+                    return _error(413, f"at most {MAX_LINK_BYTES} bytes")
+        except ClientDisconnect:
+            return _error(400, "the upload was cut off")
+        finally:
+            link_tester.done(slot)
+        return AsciiJSONResponse({"bytes": got, "seconds": round(time.monotonic() - started, 6)})
 
     @app.get("/api/revocations", summary="Peers revoked by the authority, as a list it signed (newest serial wins)")
     def get_revocations() -> dict[str, Any]:

@@ -3,8 +3,9 @@
 It takes the peer's own flags, so it checks the configuration the peer would run with: Python; torch and the
 device (CUDA, bf16); hivemind and its p2pd daemon; the run's manifest and versions (with --join); the listen ports;
 every bootstrap address (a TCP connect, with its latency); whether the coordinator can dial back to this machine
-(NAT, firewall); and this clock against the coordinator's. Each failed check says what to do. Exit 0 when the peer
-can take part, 1 otherwise; --json prints the same as one object for scripts.
+(NAT, firewall); this clock against the coordinator's; and the round trip and bandwidth, each way, to the
+coordinator. Each failed check says what to do. Exit 0 when the peer can take part, 1 otherwise; --json prints the
+same as one object for scripts.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from typing import Any
 from swarmloco.peer.cli_args import add_arguments
 
 CLOCK_SKEW_S = 30.0  # reports and tickets are refused beyond 60 s of skew; warn well before
+MIN_LINK_BITS = 1e6  # per second, each way
 _HOST_PORT = re.compile(r"\A/(ip4|ip6|dns|dns4|dns6)/([^/]+)/tcp/(\d+)")
 
 
@@ -157,6 +159,64 @@ def _clock(coordinator: str, timeout: float) -> Check:
     return Check("clock", True, f"{skew:+.0f}s against the coordinator (1 s resolution)")
 
 
+class _NotMeasured(Exception):
+    """The coordinator declined a link test (rate-limited, or a version without one): not this machine's fault."""
+
+
+def _timed(session: Any, base: str, direction: str, size: int, timeout: float) -> float:
+    """Seconds to move `size` bytes to (up) or from (down) the coordinator."""
+    started = time.monotonic()
+    if direction == "down":
+        resp = session.get(f"{base}/api/linktest", params={"bytes": size}, timeout=timeout, stream=True)
+        got = sum(len(chunk) for chunk in resp.iter_content(1 << 16)) if resp.status_code == 200 else 0
+    else:
+        resp = session.post(f"{base}/api/linktest", data=bytes(size), timeout=timeout)
+        got = resp.json().get("bytes", 0) if resp.status_code == 200 else 0
+    if resp.status_code in (404, 405, 429):
+        raise _NotMeasured(f"HTTP {resp.status_code}")
+    if got != size:
+        raise OSError(f"moved {got} of {size} bytes (HTTP {resp.status_code})")
+    return time.monotonic() - started
+
+
+def _rate(session: Any, base: str, direction: str, rtt: float, timeout: float) -> float:
+    """Bits per second one way: a 512 KiB probe, then a test sized to take about a second and a half at the
+    probe's rate (at most 16 MiB)."""
+    size = 512 << 10
+    seconds = _timed(session, base, direction, size, timeout)
+    if seconds < 1.0:
+        size = int(min(16 << 20, max(size, size / max(seconds - rtt, 1e-3) * 1.5)))
+        seconds = _timed(session, base, direction, size, timeout)
+    return 8 * size / max(seconds - rtt, 1e-3)
+
+
+def _link(coordinator: str, timeout: float) -> Check:
+    """Round trip and bandwidth to the coordinator, the one machine of the run a doctor can always test against."""
+    import requests
+
+    base = coordinator.rstrip("/")
+    try:
+        with requests.Session() as session:
+            rtts = []
+            for _ in range(4):  # the first opens the connection: not counted
+                started = time.monotonic()
+                session.get(f"{base}/healthz", timeout=timeout).raise_for_status()
+                rtts.append(time.monotonic() - started)
+            rtt = sorted(rtts[1:])[1]
+            down, up = (_rate(session, base, d, rtt, max(timeout, 30.0)) for d in ("down", "up"))
+    except _NotMeasured as exc:
+        return Check("link", True, f"bandwidth not measured: the coordinator declined ({exc})")
+    except (requests.RequestException, OSError, ValueError) as exc:
+        return Check("link", False, f"the link test to the coordinator failed: {type(exc).__name__}: {exc}",
+                     "check --join / --coordinator, and that nothing between cuts long transfers")
+    text = (f"{1000 * rtt:.0f} ms round trip, {down / 1e6:,.0f} Mbit/s down, {up / 1e6:,.0f} Mbit/s up "
+            "(to the coordinator)")
+    if min(down, up) < MIN_LINK_BITS:
+        return Check("link", False, text, "a round moves the model's pseudo-gradient each way: below 1 Mbit/s this "
+                                          "peer misses rounds; use a faster link")
+    return Check("link", True, text)
+
+
 def checks(args: argparse.Namespace) -> list[Check]:
     from swarmloco.peer import preflight
     from swarmloco.peer.cli import joined_config
@@ -182,7 +242,7 @@ def checks(args: argparse.Namespace) -> list[Check]:
     coordinator = cfg.run.coordinator
     if coordinator:
         steps: list[Callable[[], Check]] = [lambda: _reachable(coordinator, cfg, timeout),
-                                            lambda: _clock(coordinator, timeout)]
+                                            lambda: _clock(coordinator, timeout), lambda: _link(coordinator, timeout)]
         found += [step() for step in steps]
     return found
 

@@ -7,6 +7,7 @@ test checks that none is left (p2pd included)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -100,7 +101,9 @@ def test_doctor_passes_a_healthy_setup_and_names_each_problem(coordinator: dict[
     report = json.loads(healthy.stdout)
     assert healthy.returncode == 0 and report["ok"] is True, healthy.stdout + healthy.stderr[-2000:]
     names = [c["name"] for c in report["checks"]]
-    assert names == ["python", "config", "torch", "p2pd", "ports", "bootstrap", "reachable", "clock"], names
+    assert names == ["python", "config", "torch", "p2pd", "ports", "bootstrap", "reachable", "clock", "link"], names
+    assert re.fullmatch(r"\d+ ms round trip, [\d,]+ Mbit/s down, [\d,]+ Mbit/s up \(to the coordinator\)",
+                        report["checks"][-1]["detail"]), report["checks"][-1]
     # a taken listen port, and a bootstrap address nobody answers on: exit 1, each with what to do
     dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooW9yJKTxvq8JjKbkdwtZH7ZWLQXQTCYYLSr1KAekwtUkYj"
     port = url.rsplit(":", 1)[1]

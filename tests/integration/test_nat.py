@@ -1,6 +1,7 @@
 """A peer behind NAT, in network namespaces this test creates: `swarmloco doctor` inside the NAT reaches the
 coordinator and its bootstrap node (outgoing connections pass the NAT) but reports that nobody can dial it, and
-recommends --client-mode or relays; with --client-mode it passes. The same doctor outside the NAT passes.
+recommends --client-mode or relays; with --client-mode it passes. The same doctor outside the NAT passes. With the
+volunteer's uplink shaped to 20 Mbit/s, the doctor's link check measures about that.
 
 Topology: a "public" namespace (10.79.N.1) runs the coordinator and its DHT node; a "router" namespace forwards
 between it (10.79.N.254) and a LAN (192.168.N.0/24) with iptables MASQUERADE; the LAN namespace (192.168.N.2) is
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -96,10 +98,17 @@ def _doctor(ns: str, url: str, workdir: Path, *extra: str) -> tuple[int, dict[st
 def test_doctor_behind_nat_says_unreachable_and_what_to_do(coordinator: dict[str, Any], tmp_path: Path) -> None:
     url = coordinator["url"]
     assert url == f"http://{PUB_IP}:{coordinator['port']}"
+    # the volunteer's uplink shaped to 20 Mbit/s (tbf on the LAN side of its link): the doctor must measure it
+    _run("tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", "20mbit", "burst", "32kbit", "latency", "400ms",
+         ns=LAN)
     code, report = _doctor(LAN, url, tmp_path / "lan")
+    _run("tc", "qdisc", "del", "dev", "eth0", "root", ns=LAN)
     checks = {c["name"]: c for c in report["checks"]}
     assert code == 1 and not report["ok"], report
     assert checks["config"]["ok"] and checks["bootstrap"]["ok"], report  # outgoing connections pass the NAT
+    up, down = (float(re.search(rf"([\d,]+) Mbit/s {way}", checks["link"]["detail"])[1].replace(",", ""))
+                for way in ("up", "down"))
+    assert checks["link"]["ok"] and 12 <= up <= 24 and down > 2 * up, checks["link"]
     reach = checks["reachable"]
     assert not reach["ok"] and "behind NAT or a firewall" in reach["detail"], reach
     assert "--client-mode" in reach["advice"] and "--use-auto-relay" in reach["advice"], reach
