@@ -349,7 +349,7 @@ class SQLiteStore(AuthorityTables, CheckpointTables, AccountTables, Listings, Ag
                 certified = 1
             if certified:  # credited once, by the report that brought the certificate kept
                 self._credit(r.run_id, members, tokens)
-                self._account_certified(r.run_id, round_id, certificate.statement, now)
+                self._account_certified(r.run_id, round_id, certificate.statement, now, at=r.timestamp)
         first = c.execute("SELECT 1 FROM round_reports WHERE round_id=? AND peer_id=?",
                           (round_id, r.peer_id)).fetchone() is None
         c.execute("INSERT INTO round_reports(round_id, report_id, peer_id, timestamp, train_s, wait_s, average_s,"

@@ -100,15 +100,20 @@ class AccountTables:
              b.get("bytes_sent", 0), b.get("bytes_received", 0), r.run_id, r.peer_id))
 
     def _account_certified(self, run_id: str, round_id: int, statement: Statement, now: float, *,
-                           sign: int = 1) -> None:
+                           at: float = 0.0, sign: int = 1) -> None:
         """A round was certified (`sign` -1: its certificate was replaced, take its effects back): the weight it
-        did not credit is refused work; online peers outside it missed it; and the device time of the peers
-        holding credit is noted with it, for the run's cost over time."""
+        did not credit is refused work; online peers outside it missed it; the work its members said they held
+        before `at` (the certifying report's time) was merged by it, so it is pending no more (a member that is
+        killed before its own round report arrives would otherwise be counted as losing it); and the device time
+        of the peers holding credit is noted with it, for the run's cost over time."""
         c = self._conn
+        marks = ",".join("?" * len(statement.members))
+        if sign > 0:
+            c.execute(f"UPDATE accounts SET pending_tokens=0 WHERE run_id=? AND peer_id IN ({marks}) AND "
+                      "pending_at<=?", (run_id, *statement.members, at))
         refused = [(sign * (w - k), run_id, m) for m, w, k in
                    zip(statement.members, statement.weights, statement.credited, strict=True) if w > k]
         c.executemany("UPDATE accounts SET refused_tokens=refused_tokens+? WHERE run_id=? AND peer_id=?", refused)
-        marks = ",".join("?" * len(statement.members))
         c.execute(f"UPDATE accounts SET rounds_missed=rounds_missed+? WHERE run_id=? AND peer_id NOT IN ({marks}) "
                   "AND peer_id IN (SELECT peer_id FROM peers WHERE run_id=? AND left_at IS NULL AND last_seen>=?)",
                   (sign, run_id, *statement.members, run_id, now - self.online_window_s))

@@ -110,6 +110,28 @@ def test_three_peers_and_a_kill_add_up(env: ServiceEnv, ids: list[Identity]) -> 
         assert family in text
 
 
+def test_work_a_certified_round_merged_is_not_pending_even_if_its_member_never_says_so(env: ServiceEnv,
+                                                                                        ids: list[Identity]) -> None:
+    """A member killed right after its round committed never sends its own round report: the certificate another
+    member brings shows its earlier pending work merged; work it reports after the round stays pending."""
+    a, b = ids[:2]
+    tickets = env.admit(a, b)
+    _hello(env, a, "aa" * 8)
+    _hello(env, b, "bb" * 8)
+    env.clock.now += 5
+    _work(env, a, "aa" * 8, 1, pending=6000)  # then the round commits, and `a` dies before reporting it
+    env.clock.now += 1
+    cert = certificate([a, b], tickets, run_id="run", round=1, members=sorted([a.peer_id, b.peer_id]))
+    _round(env, b, "bb" * 8, cert)
+    assert env.peer(a)["pending_tokens"] == 0 and env.peer(a)["credited_tokens"] > 0
+    env.clock.now += 1
+    _work(env, a, "aa" * 8, 2, pending=300)  # trained after the round: not merged by it
+    env.clock.now += 1
+    _round(env, b, "bb" * 8, cert)  # the same certificate again changes nothing
+    env.clock.now += 120
+    assert env.peer(a)["wasted_tokens"] == 300
+
+
 def test_a_restart_counts_the_work_the_old_process_took_with_it(env: ServiceEnv, ids: list[Identity]) -> None:
     who = ids[0]
     env.admit(who)
