@@ -41,7 +41,7 @@ class RoundReports:
         self.metrics_interval_s = metrics_interval_s
         self._last_metrics = 0.0
         self.session = secrets.token_hex(8)
-        self.dropped_tokens = 0  # local work thrown away in this process (see `dropped`)
+        self.dropped_tokens = 0  # local work thrown away in this process (see `resynced`)
         self.resyncs = 0  # newer states this process adopted
         if not url or not identity_path:
             return

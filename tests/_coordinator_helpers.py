@@ -130,6 +130,12 @@ def stop_sessions(procs: list[subprocess.Popen[bytes]], baseline: set[int], *, g
     assert not left, f"processes left running: {left}"
 
 
+def run_config(*, inner_steps: int, seed: int) -> str:
+    """A small run's --run-config: the tiny preset, quorum 2, short timeouts."""
+    return (f'[run]\npreset = "tiny"\n[train]\ninner_lr = 1e-3\nwarmup_steps = 5\ninner_steps = {inner_steps}\n'
+            f"[round]\nquorum = 2\ngrace_max_s = 3\nround_timeout_s = 60\n[runtime]\nseed = {seed}\n")
+
+
 @contextlib.contextmanager
 def run_coordinator(root: Path, run_config: str, *extra: str) -> Iterator[dict[str, Any]]:
     """`swarmloco coordinator` with a DHT node, run id "joined", the run config given and invite code "let-me-in";

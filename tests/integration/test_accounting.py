@@ -16,25 +16,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from _coordinator_helpers import ROOT, child_env, join_peer, run_coordinator
+from _coordinator_helpers import ROOT, child_env, join_peer, run_config, run_coordinator
 from test_coordinator_e2e import get, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
-RUN_CONFIG = """\
-[run]
-preset = "tiny"
-[train]
-inner_lr = 1e-3
-warmup_steps = 5
-inner_steps = 12
-[round]
-quorum = 2
-grace_max_s = 3
-round_timeout_s = 60
-[runtime]
-seed = 5
-"""
+RUN_CONFIG = run_config(inner_steps=12, seed=5)
 PEERS, ROUNDS = 3, 6
 
 

@@ -16,24 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _coordinator_helpers import ROOT, child_env, join_peer, run_coordinator
+from _coordinator_helpers import ROOT, child_env, join_peer, run_config, run_coordinator
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
-RUN_CONFIG = """\
-[run]
-preset = "tiny"
-[train]
-inner_lr = 1e-3
-warmup_steps = 5
-inner_steps = 10
-[round]
-quorum = 2
-grace_max_s = 3
-round_timeout_s = 60
-[runtime]
-seed = 3
-"""
+RUN_CONFIG = run_config(inner_steps=10, seed=3)
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
