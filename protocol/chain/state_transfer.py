@@ -96,6 +96,8 @@ class Channel(Protocol):
     async def recv_frame(self, header_type: type[M], *, max_payload: int, timeout: float,
                          into: memoryview | None = None) -> tuple[M, bytearray | memoryview]: ...
 
+    async def send_headers(self, headers: list[Message], *, timeout: float) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -110,6 +112,10 @@ class StreamChannel:
     async def recv_frame(self, header_type: type[M], *, max_payload: int, timeout: float,
                          into: memoryview | None = None) -> tuple[M, bytearray | memoryview]:
         return await read_frame(self.reader, header_type, max_payload=max_payload, timeout=timeout, into=into)
+
+    async def send_headers(self, headers: list[Message], *, timeout: float) -> None:
+        for header in headers:
+            await write_frame(self.writer, header, timeout=timeout)
 
     def close(self) -> None:
         close_writer(self.writer)
@@ -267,10 +273,12 @@ class Transfer:
         timeout = self.cfg.chunk_timeout_s
         try:
             while donor not in self.liars:
+                asked = []
                 while len(in_flight) < self.depth and self.pending:
-                    index = self.pending.popleft()
-                    in_flight.append(index)
-                    await channel.send_frame(pb.StateChunkRequest(index=index), timeout=timeout)
+                    asked.append(self.pending.popleft())
+                    in_flight.append(asked[-1])
+                if asked:  # the requests of a refill in one write
+                    await channel.send_headers([pb.StateChunkRequest(index=i) for i in asked], timeout=timeout)
                 if not in_flight:
                     if checks:
                         await asyncio.wait(checks, return_when=asyncio.FIRST_COMPLETED)

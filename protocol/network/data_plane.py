@@ -91,6 +91,11 @@ class DataConn:
             f"sending {type(header).__name__}", self._send_all, [prefix, payload], time.monotonic() + timeout
         )
 
+    async def send_headers(self, headers: list[Message], *, timeout: float) -> None:
+        """Several payload-less frames in one write (one pool hop for all of them)."""
+        parts: list[bytes | bytearray | memoryview] = [frame_prefix(h, 0) for h in headers]
+        await self._run(f"sending {len(headers)} frames", self._send_all, parts, time.monotonic() + timeout)
+
     async def recv_frame(self, header_type: type[M], *, max_payload: int, timeout: float,
                          into: memoryview | None = None) -> tuple[M, bytearray | memoryview]:
         """One frame; the payload is a writable bytearray, filled in place by the kernel, or with `into` the start of
