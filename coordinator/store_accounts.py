@@ -46,7 +46,7 @@ class AccountTables:
     # -- ingest (called inside the report's transaction) ---------------------------------------------------------
 
     def _account(self, r: Report, *, device_kind: str | None = None) -> None:
-        """The peer's account, opened at this report's time if new; a report naming another session than the
+        """The peer's account, opened at this report's time if new; a hello naming another session than the
         account's starts a new session there (the previous process is gone: its unmerged work is counted lost)."""
         c, key, ts, b = self._conn, (r.run_id, r.peer_id), r.timestamp, r.body
         c.execute("INSERT OR IGNORE INTO accounts(run_id, peer_id, session, session_start, session_end, pending_at) "
