@@ -62,29 +62,24 @@ function initCharts() {
   charts.train = lineChart("chart-train", "tokens (this peer)", "train loss");
   charts.eval = lineChart("chart-eval", "swarm tokens (committed rounds)", "eval loss");
   charts.throughput = lineChart("chart-throughput", "seconds since first report", "tokens/s");
-  charts.rounds = new Chart(document.getElementById("chart-rounds"), {
-    type: "bar",
-    data: { labels: [], datasets: [] },
-    options: {
-      animation: false, responsive: true, maintainAspectRatio: false,
-      scales: { x: { stacked: true, title: { display: true, text: "round" } },
-                y: { stacked: true, title: { display: true, text: "seconds" } } },
-      plugins: { legend: { position: "bottom", labels: { boxWidth: 12 } },
-                 tooltip: { callbacks: { afterBody: (items) => roundTooltip(items) } } },
-    },
-  });
+  charts.rounds = stackedBarChart("chart-rounds", "round", "seconds",
+                                  { callbacks: { afterBody: (items) => roundTooltip(items) } });
   charts.cost = lineChart("chart-cost", "billed device-hours", "eval loss");
-  charts.contrib = new Chart(document.getElementById("chart-contrib"), {
+  charts.contrib = stackedBarChart("chart-contrib", "peer", "tokens");
+  window.swarmlocoCharts = charts;
+}
+
+function stackedBarChart(canvasId, xTitle, yTitle, tooltip = {}) {
+  return new Chart(document.getElementById(canvasId), {
     type: "bar",
     data: { labels: [], datasets: [] },
     options: {
       animation: false, responsive: true, maintainAspectRatio: false,
-      scales: { x: { stacked: true, title: { display: true, text: "peer" } },
-                y: { stacked: true, title: { display: true, text: "tokens" } } },
-      plugins: { legend: { position: "bottom", labels: { boxWidth: 12 } } },
+      scales: { x: { stacked: true, title: { display: true, text: xTitle } },
+                y: { stacked: true, title: { display: true, text: yTitle } } },
+      plugins: { legend: { position: "bottom", labels: { boxWidth: 12 } }, tooltip },
     },
   });
-  window.swarmlocoCharts = charts;
 }
 
 function updateAccounting() {
@@ -106,9 +101,7 @@ function updateAccounting() {
   body.replaceChildren();
   for (const p of peers) {
     const tr = document.createElement("tr");
-    const id = cell(tr, short(p.peer_id));
-    id.title = p.peer_id;
-    id.style.color = peerColor(p.peer_id);
+    peerCell(tr, p.peer_id);
     cell(tr, p.device_kind);
     cell(tr, fmt(p.device_s / 3600, 3), "num");
     cell(tr, fmt(p.compute_s / 3600, 3), "num");
@@ -204,14 +197,19 @@ function cell(row, text, cls) {
   return td;
 }
 
+function peerCell(row, peerId) {
+  // the short id, the whole one on hover, in the peer's colour (as in the charts)
+  const td = cell(row, short(peerId));
+  td.title = peerId;
+  td.style.color = peerColor(peerId);
+}
+
 function updateTables() {
   const peersBody = document.querySelector("#peers-table tbody");
   peersBody.replaceChildren();
   for (const p of state.peers) {
     const tr = document.createElement("tr");
-    const id = cell(tr, short(p.peer_id));
-    id.title = p.peer_id;
-    id.style.color = peerColor(p.peer_id);
+    peerCell(tr, p.peer_id);
     cell(tr, p.online ? "online" : (p.left_at ? "left" : "offline"), p.online ? "online" : "offline");
     cell(tr, p.device ?? "–");
     cell(tr, p.memory_bytes ? fmt(p.memory_bytes / 2 ** 30, 1) + " GiB" : "–", "num");
