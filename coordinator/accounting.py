@@ -18,9 +18,8 @@ from typing import Any
 
 from swarmloco.protocol.trust.reports import DEVICE_KINDS
 
-__all__ = ["PRICE_KINDS", "parse_prices", "prices_problem", "run_accounting", "wasted_tokens"]
+__all__ = ["parse_prices", "prices_problem", "run_accounting", "run_cost", "wasted_tokens"]
 
-PRICE_KINDS = DEVICE_KINDS
 MAX_PRICE = 1e6  # per device-hour
 PROGRESS_POINTS = 2000  # certified rounds in the progress curve (the newest)
 _PRICE = re.compile(r"\s*([a-z]+)\s*=\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*")
@@ -29,8 +28,8 @@ _PRICE = re.compile(r"\s*([a-z]+)\s*=\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*")
 def prices_problem(prices: dict[str, float]) -> str:
     """Why a price table cannot be used ("" when it can)."""
     for kind, price in prices.items():
-        if kind not in PRICE_KINDS:
-            return f"unknown device kind {kind!r}; prices are per device-hour of {', '.join(PRICE_KINDS)}"
+        if kind not in DEVICE_KINDS:
+            return f"unknown device kind {kind!r}; prices are per device-hour of {', '.join(DEVICE_KINDS)}"
         if not (isinstance(price, int | float) and math.isfinite(price) and 0 <= price <= MAX_PRICE):
             return f"the price of {kind} must be a number in [0, {MAX_PRICE:g}] per device-hour, got {price!r}"
     return ""
@@ -72,10 +71,8 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     return None if num is None or not den or den <= 0 else num / den
 
 
-def run_accounting(store: Any, run_id: str, *, prices: dict[str, float], now: float,
-                   online_window_s: float) -> dict[str, Any]:
-    """The run's accounts as `GET /api/accounting` serves them (see the module docstring)."""
-    totals = store.account_totals(run_id, online_since=now - online_window_s)
+def _device_hours(store: Any, run_id: str) -> tuple[dict[str, float], dict[str, float], float]:
+    """(billed device-hours by kind, unbilled ones by kind, billed compute-hours) of the run's peers."""
     billed: dict[str, float] = {}
     unbilled: dict[str, float] = {}
     compute = 0.0
@@ -83,6 +80,19 @@ def run_accounting(store: Any, run_id: str, *, prices: dict[str, float], now: fl
         side = billed if credited else unbilled
         side[kind] = side.get(kind, 0.0) + device_s / 3600
         compute += compute_s / 3600 if credited else 0.0
+    return billed, unbilled, compute
+
+
+def run_cost(store: Any, run_id: str, prices: dict[str, float]) -> float | None:
+    """The run's cost so far (None without a price for every device kind billed); what `/metrics` exports."""
+    return _cost(_device_hours(store, run_id)[0], prices)
+
+
+def run_accounting(store: Any, run_id: str, *, prices: dict[str, float], now: float,
+                   online_window_s: float) -> dict[str, Any]:
+    """The run's accounts as `GET /api/accounting` serves them (see the module docstring)."""
+    totals = store.account_totals(run_id, online_since=now - online_window_s)
+    billed, unbilled, compute = _device_hours(store, run_id)
     cost = _cost(billed, prices)
     progress = []
     for point in store.certified_progress(run_id, PROGRESS_POINTS):

@@ -25,7 +25,7 @@ from typing import Any
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import generate_latest
 
-from swarmloco.coordinator.accounting import prices_problem, run_accounting, wasted_tokens
+from swarmloco.coordinator.accounting import prices_problem, run_accounting, run_cost, wasted_tokens
 from swarmloco.coordinator.authority import (
     HOSTILE_INPUT_ERRORS,
     LONE_SURROGATE,
@@ -366,7 +366,7 @@ def _account_families(store: Store, service: CoordinatorService) -> Iterator[Any
     resyncs = CounterMetricFamily("swarmloco_resyncs", "Newer states peers adopted")
     resyncs.add_metric([], totals["resyncs"])
     yield resyncs
-    cost = service.accounting()["cost"]
+    cost = run_cost(store, service.config.run_id, service.config.prices)
     if cost is not None:
         gauge = GaugeMetricFamily("swarmloco_run_cost", "The coordinator's run: billed device-hours times --price")
         gauge.add_metric([], cost)
