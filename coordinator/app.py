@@ -54,6 +54,11 @@ def _error(status: int, message: str) -> JSONResponse:
     return AsciiJSONResponse(status_code=status, content={"error": message})
 
 
+def _client(request: Request) -> str:
+    """The request's source address ("?" when the server does not know it)."""
+    return request.client.host if request.client else "?"
+
+
 async def _read_capped(request: Request, cap: int) -> bytes | None:
     """Read the request body, giving up (None) as soon as it exceeds ``cap`` bytes. A client that goes away
     mid-body (or is cut off by the request deadline) reads as an empty body: nobody is left to hear the 400."""
@@ -95,7 +100,7 @@ def create_app(service: CoordinatorService) -> FastAPI:
         raw = await _read_capped(request, service.config.max_report_bytes)
         if raw is None:
             return _error(413, f"report larger than {service.config.max_report_bytes} bytes")
-        client = request.client.host if request.client else "?"
+        client = _client(request)
         # SQLite fsync must not stall the event loop
         answer = await run_in_threadpool(service.ingest, raw, client=client)
         return AsciiJSONResponse(status_code=answer.status, content=answer.body)
@@ -112,7 +117,7 @@ def create_app(service: CoordinatorService) -> FastAPI:
         raw = await _read_capped(request, MAX_REQUEST_BYTES)
         if raw is None:
             return _error(413, f"ticket request larger than {MAX_REQUEST_BYTES} bytes")
-        client = request.client.host if request.client else "?"
+        client = _client(request)
         answer = await run_in_threadpool(service.request_ticket, raw, client=client)
         return AsciiJSONResponse(status_code=answer.status, content=answer.body)
 
@@ -125,16 +130,16 @@ def create_app(service: CoordinatorService) -> FastAPI:
                                       "machine can be reached from outside (swarmloco doctor)",
              responses={400: {}, 429: {}})
     async def get_dialback(request: Request, port: int) -> JSONResponse:
-        client = request.client.host if request.client else "?"
+        client = _client(request)
         answer = await dial_backer.dial(client, port)
         return AsciiJSONResponse(status_code=answer.status, content=answer.body)
 
     @app.get("/api/linktest", summary="BYTES of incompressible data, for `swarmloco doctor` to time this link's "
                                       "download (rate-limited per address)", responses={400: {}, 429: {}})
     async def get_linktest(request: Request, size: Annotated[int, Query(alias="bytes")] = 1 << 20) -> Response:
-        slot, refusal = link_tester.admit(request.client.host if request.client else "?", size)
+        slot, status, refusal = link_tester.admit(_client(request), size)
         if refusal:
-            return _error(429 if "retry" in refusal else 400, refusal)
+            return _error(status, refusal)
         return StreamingResponse(link_tester.payload(slot, size), media_type="application/octet-stream",
                                  headers={"Content-Length": str(size), "Cache-Control": "no-store"})
 
@@ -143,9 +148,9 @@ def create_app(service: CoordinatorService) -> FastAPI:
     async def post_linktest(request: Request) -> JSONResponse:
         declared = request.headers.get("content-length", "")
         size = int(declared) if declared.isascii() and declared.isdigit() and len(declared) < 10 else 0
-        slot, refusal = link_tester.admit(request.client.host if request.client else "?", max(1, size))
+        slot, status, refusal = link_tester.admit(_client(request), max(1, size), too_large=413)
         if refusal:
-            return _error(429 if "retry" in refusal else 413, refusal)
+            return _error(status, refusal)
         started, got = time.monotonic(), 0
         try:
             async for chunk in request.stream():

@@ -33,19 +33,20 @@ class LinkTester:
         self._slots: dict[int, float] = {}  # tests in progress -> when each began; only touched on the event loop
         self._next = 0
 
-    def admit(self, client: str, nbytes: int) -> tuple[int, str]:
-        """(slot, "") when a test of `nbytes` from `client` may run (call `done(slot)` after it), else (-1, why)."""
+    def admit(self, client: str, nbytes: int, *, too_large: int = 400) -> tuple[int, int, str]:
+        """(slot, 0, "") when a test of `nbytes` from `client` may run (call `done(slot)` after it), else (-1, the
+        HTTP status, why); `too_large` is the status for a size out of range."""
         now = time.monotonic()
         self._slots = {k: t for k, t in self._slots.items() if now - t < self.slot_ttl_s}
         if not 1 <= nbytes <= MAX_BYTES:
-            return -1, f"bytes must be 1..{MAX_BYTES}, got {nbytes}"
+            return -1, too_large, f"bytes must be 1..{MAX_BYTES}, got {nbytes}"
         if len(self._slots) >= self.max_in_flight:
-            return -1, "too many link tests in progress; retry in a few seconds"
+            return -1, 429, "too many link tests in progress; retry in a few seconds"
         if not self._limiter.allow(address_key(client), now):
-            return -1, "too many link tests from this address; retry in a minute"
+            return -1, 429, "too many link tests from this address; retry in a minute"
         self._next += 1
         self._slots[self._next] = now
-        return self._next, ""
+        return self._next, 0, ""
 
     def done(self, slot: int) -> None:
         self._slots.pop(slot, None)

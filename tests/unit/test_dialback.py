@@ -71,10 +71,10 @@ def test_the_link_test_moves_what_it_says_within_its_bounds(tmp_path: Path) -> N
 
 def test_link_test_slots_are_bounded_and_freed_however_a_test_ends() -> None:
     tester = LinkTester(rate_per_s=100, burst=100, max_in_flight=2, slot_ttl_s=0.2)
-    (a, _), (b, _) = tester.admit("127.0.0.1", 10), tester.admit("127.0.0.2", 10)
-    assert tester.admit("127.0.0.3", 10) == (-1, "too many link tests in progress; retry in a few seconds")
+    (a, _, _), (b, _, _) = tester.admit("127.0.0.1", 10), tester.admit("127.0.0.2", 10)
+    assert tester.admit("127.0.0.3", 10) == (-1, 429, "too many link tests in progress; retry in a few seconds")
     tester.done(a)
-    slot, why = tester.admit("127.0.0.3", 10)
+    slot, _, why = tester.admit("127.0.0.3", 10)
     assert why == "" and slot > b
     time.sleep(0.25)  # a slot whose response never ended (the client vanished before it began) expires
-    assert tester.admit("127.0.0.4", 10)[1] == "" and tester.admit("127.0.0.5", 10)[1] == ""
+    assert tester.admit("127.0.0.4", 10)[2] == "" and tester.admit("127.0.0.5", 10)[2] == ""
