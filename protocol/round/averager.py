@@ -80,6 +80,8 @@ class RoundResult:
     certificate: Certificate | None = None  # committed (or, on a mismatch, the state to re-sync to)
     cheaters: dict[str, str] = field(default_factory=dict)  # peers proven to have cheated (now banned), evidence
     audit_s: float = 0.0  # of `seconds`: the audit of every reduced shard
+    passes: int = 1  # 2: a reduced shard was lost, and the round was reduced again without its reducer
+    failed: dict[str, str] = field(default_factory=dict)  # reducers whose shard we lacked (first-hand), and why
 
 
 class Averager:
@@ -186,7 +188,8 @@ class Averager:
                 weights=list(weights), excluded=plan.excluded, state_hash=statement.new_hash,
                 leader_hash=certificate.statement.new_hash if certificate is not None else "", reason=reason,
                 bytes_sent=reduced.sent, bytes_received=reduced.received, direct=reduced.direct, pipes=reduced.pipes,
-                certify_s=time.monotonic() - certify_started, certificate=certificate, audit_s=reduced.audit_s)
+                certify_s=time.monotonic() - certify_started, certificate=certificate, audit_s=reduced.audit_s,
+                cheaters=dict(reduced.cheaters), passes=reduced.passes, failed=dict(reduced.failed))
         except Exception as exc:  # whatever ends the round early, nothing uncertified is kept
             if not isinstance(exc, (RoundAborted, concurrent.futures.TimeoutError, TimeoutError)):
                 logger.exception("round %d failed unexpectedly; discarding it", group.round)
@@ -226,3 +229,7 @@ class Averager:
         blame = result.blame if group.is_leader or result.blame != group.leader else ""
         if blame and blame != group.me and blame not in result.cheaters:
             steps.suspend(blame, group.round, result.reason)
+        # A reducer whose shard we lacked cost the round a second pass even when it committed without it.
+        for peer, why in result.failed.items():
+            if peer not in (group.me, blame) and peer not in result.cheaters:
+                steps.suspend(peer, group.round, why)

@@ -79,12 +79,14 @@ class Deadlines:
     control: float  # one control frame (a claim, the plan, a vote, the certificate; opening the shard pipes)
     transfer: float  # all parts of the shards on the wire, and again all reduced shards
     linger: float  # leader: how long a member's stream stays open after the certificate, for it to be read
-    exchange: float  # the whole exchange as the training thread waits for it: claims, plan, pipes, two transfers
+    # the whole exchange as the training thread waits for it: claims, plan and pipes, then up to two passes of the
+    # reduce (a second when a reduced shard was lost), each two transfers and two settlements
+    exchange: float
 
     @classmethod
     def of(cls, cfg: RoundConfig) -> Deadlines:
         transfer, control = cfg.exchange_timeout_s, cfg.control_timeout_s
-        return cls(control=control, transfer=transfer, linger=transfer, exchange=2 * transfer + 5 * control)
+        return cls(control=control, transfer=transfer, linger=transfer, exchange=4 * transfer + 9 * control)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import secrets
 from collections.abc import Callable
@@ -40,7 +39,9 @@ from swarmloco.protocol.round.groups import Group, RoundAborted
 from swarmloco.protocol.round.pipes import ShardRouter
 from swarmloco.protocol.round.plans import Endpoint, Plan, bandwidth_shares, plan_problem, shard_bounds
 from swarmloco.protocol.round.rules import token_weights
-from swarmloco.protocol.round.shard_reduce import Reduced, ShardTimeouts, Signing, reduce_shards
+from swarmloco.protocol.round.settle import Settlement
+from swarmloco.protocol.round.shard_reduce import Reduced, ShardTimeouts, reduce_shards
+from swarmloco.protocol.round.shard_results import Signing
 from swarmloco.protocol.trust.admission import Credentials
 from swarmloco.protocol.trust.certificates import Certificate, Head, Statement, need, refusal_to_sign, signed_by
 from swarmloco.protocol.trust.payloads import NONCE_BYTES, claim_body, commitment, plan_body, plan_digest, signed
@@ -103,6 +104,7 @@ class RoundSteps:
                 plan = await self._plan(group, claim, prev)
             else:
                 plan = await self._receive_plan(group, claim, prev)
+            settlement = Settlement(group, d, self.cfg.quorum, self.transport.run_id, self.credentials.identity)
             signing = Signing(run_id=self.transport.run_id, identity=self.credentials.identity, leader=group.leader,
                               plan_id=plan_digest(plan.to_pb()), plan_signature=plan.signature, rule=self.cfg.rule,
                               probes=self.cfg.audit_probes, nonce=nonce,
@@ -111,7 +113,7 @@ class RoundSteps:
             reduced = await reduce_shards(plan, delta, me=group.me, codec=self.codec, router=self.router,
                                           inbox=inbox, timeouts=ShardTimeouts(connect=d.control, transfer=d.transfer),
                                           use_tcp=self.use_tcp, after_parts=after_parts, signing=signing,
-                                          settle=functools.partial(self._settle, group, plan))
+                                          settle=settlement.settle, confirm=settlement.confirm)
         except BaseException:
             if not group.is_leader:  # a leader releases its members only after telling them (`abort`)
                 await self._release(group)
@@ -209,76 +211,6 @@ class RoundSteps:
         if problem:
             raise RoundAborted(f"leader's plan is not one we can take part in: {problem}", blame=group.leader)
         return plan
-
-    # --- settle: whose contributions count ------------------------------------------------------------------------
-    async def _settle(self, group: Group, plan: Plan, have: list[str], problems: dict[str, str]) -> tuple[str, ...]:
-        if group.is_leader:
-            return await self._settle_as_leader(group, plan, have, problems)
-        d = self.deadlines
-        link = group.links[group.leader]
-        for peer, why in problems.items():
-            logger.info("round %d: part from %s refused: %s", group.round, short_id(peer), bounded(why, 200))
-        try:
-            refused = [p for p in plan.members if p in problems]
-            report = pb.ShardReport(round=plan.round, shard=plan.members.index(group.me), have=have, refused=refused,
-                                    refused_reasons=[bounded(problems[p], 200) for p in refused])
-            await link.send(report, timeout=d.control)
-            # the leader waits for the slowest reducer's report: up to one transfer after ours
-            msg, _ = await link.recv(pb.Contributors, max_payload=0, timeout=d.transfer + 2 * d.control)
-        except WireError as exc:
-            raise RoundAborted(f"lost the leader while settling the contributors: {exc}",
-                               blame=group.leader) from exc
-        if not msg.ok:
-            raise RoundAborted(f"leader aborted the round: {bounded(msg.reason)}")
-        members = tuple(msg.members)
-        if msg.round != plan.round or not members or list(members) != sorted(set(members)) or \
-                not set(members) <= set(have):
-            raise RoundAborted("leader settled on contributors that are not ours to reduce", blame=group.leader)
-        plan.excluded.update(zip(msg.excluded, msg.excluded_reasons, strict=False))
-        return members
-
-    async def _settle_as_leader(self, group: Group, plan: Plan, have: list[str],
-                                problems: dict[str, str]) -> tuple[str, ...]:
-        d = self.deadlines
-
-        async def report_of(link: Link) -> pb.ShardReport | None:
-            try:
-                report, _ = await link.recv(pb.ShardReport, max_payload=0, timeout=d.transfer + d.control)
-            except WireError:
-                return None
-            return report if report.round == plan.round else None
-
-        reducers = [p for p in group.links if p in plan.members]  # an excluded member has nothing to report
-        reports = dict(zip(reducers, await asyncio.gather(*(report_of(group.links[p]) for p in reducers)),
-                           strict=True))
-        holders = {group.me: set(have)}
-        why: dict[str, list[str]] = {p: [f"{short_id(group.me)}: {bounded(problems[p], 200)}"] for p in problems}
-        for reducer, r in reports.items():
-            if r is None or reducer not in plan.members:
-                continue
-            holders[reducer] = set(r.have)
-            for p, reason in zip(r.refused, r.refused_reasons, strict=False):
-                if p in plan.members:
-                    why.setdefault(p, []).append(f"{short_id(reducer)}: {bounded(reason, 200)}")
-        missing = [p for p in plan.members if p not in holders]
-        kept = set(plan.members).intersection(*holders.values())
-        excluded = {p: "; ".join(why.get(p, [])[:3]) or "its part of some shard did not arrive"
-                    for p in plan.members if p not in kept}
-        reason = ""
-        if missing:
-            reason = f"no report from reducer(s) {', '.join(short_id(p) for p in missing)}: their shards are lost"
-        elif len(kept) < need(group.swarm, self.cfg.quorum):
-            reason = (f"only {len(kept)} contributions arrived whole at every reducer; a certificate needs "
-                      f"{need(group.swarm, self.cfg.quorum)}: {excluded}")
-        members = tuple(sorted(kept))
-        message = pb.Contributors(ok=not reason, reason=reason, round=plan.round, members=members,
-                                  excluded=list(excluded), excluded_reasons=list(excluded.values()))
-        await broadcast(group.links, message, timeout=d.control)
-        group.stage = "settled"
-        if reason:
-            raise RoundAborted(reason)
-        plan.excluded.update(excluded)
-        return members
 
     # --- certify --------------------------------------------------------------------------------------------------
     async def certify(self, group: Group, plan: Plan, statement: Statement) -> tuple[Certificate | None, str]:
