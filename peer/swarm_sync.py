@@ -315,7 +315,7 @@ class SwarmSync:
         result: RoundResult = self.averager.run_round(group, contribution, apply=apply,
                                                       rollback=lambda: r.restore(before[-1]))
         entry.update(outcome=result.outcome, leader=result.leader, members=result.members, role=result.role,
-                     view=group.view,
+                     view=group.view, passes=result.passes,  # 2: reduced again without a reducer that failed it
                      cheaters=result.cheaters or None)  # peers proven to have cheated, banned from now on
         if result.outcome == Outcome.DISCARDED:
             self.node.update_record(ready=False)

@@ -116,6 +116,13 @@ def views_per_round(peers: dict[str, PeerProc]) -> float | None:
     return round(sum(views) / len(views), 3) if views else None
 
 
+def second_passes(peers: dict[str, PeerProc]) -> int:
+    """Committed rounds that needed a second pass of the reduce (a reduced shard was lost, and the round was reduced
+    again without its reducer): distinct round numbers over every peer's events."""
+    return len({int(e["round"]) for p in peers.values() for e in p.events
+                if e.get("event") == "round" and e.get("outcome") == "committed" and int(e.get("passes", 1)) > 1})
+
+
 def newest_state(p: PeerProc) -> tuple[int, str] | None:
     """The newest (round, short state hash) this peer reached, committed or fetched (resync), from its events."""
     best: tuple[int, str] | None = None
@@ -215,6 +222,7 @@ def summary_fields(peers: dict[str, PeerProc], t0: float, t1: float) -> dict[str
         "wall_s": round(wall, 2),
         "goodput_tokens_per_s": round(tokens / wall, 3),
         "views_per_round": views_per_round(peers),
+        "rounds_reduced_twice": second_passes(peers),
         # when each of those rounds committed, in seconds from the fault window's start (as faults' `t` are)
         "committed_at_s": sorted(round(t - t0, 2) for t, _ in in_window.values()),
     }
@@ -231,6 +239,9 @@ def run_notes(scenario: str, fields: dict[str, Any]) -> list[str]:
     if scenario == "sigstop-leader":
         notes.append("the stopped peer is the leader of the newest committed round (the next round's leader seed is "
                      "in the certificate, which the event logs do not carry)")
+    if scenario == "reducer-withholder":
+        notes.append("peer-3 withholds its reduced shard in every round: rounds_reduced_twice counts the committed "
+                     "rounds that were reduced again without it")
     if scenario == "partition-2-2":
         notes.append("each peer runs in a network namespace of its own; the split cuts the one link between the two "
                      "halves' bridges, so no half holds a quorum of a majority while it lasts")

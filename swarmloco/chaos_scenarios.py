@@ -243,6 +243,8 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario(name="burners", help="two CPU burner processes beside the peers", make=lambda quick, seed: Burners()),
         Scenario(name="leader-staller", help="one peer that, in every view it leads, accepts members and never closes",
                  make=lambda quick, seed: Steady(), faults=((0, "lead=hold@*"),)),
+        Scenario(name="reducer-withholder", help="one peer that, as a reducer, never sends its reduced shard",
+                 make=lambda quick, seed: Steady(), faults=((3, "reduce=withhold@*"),)),
         Scenario(name="silent-claimants", help="three admitted peers claim a far newer state and never answer",
                  make=lambda quick, seed: SilentClaimants()),
         Scenario(name="partition-2-2", help="cut the links between two halves of the swarm for 60 s (20 s with "

@@ -72,6 +72,15 @@ def test_leader_staller_quick(tmp_path: Path, cli_env: dict[str, str]) -> None:
 
 
 @pytest.mark.timeout(420)
+def test_reducer_withholder_quick(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    """peer-3 never sends its reduced shard: a round it reduces in is reduced again without it and commits (backup
+    reducers), and the swarm agrees. On the code before backup reducers, no round with it as a reducer commits."""
+    result = _chaos(tmp_path, cli_env, "reducer-withholder", timeout=400)
+    _check(result, "reducer-withholder", "reduce=withhold@*")
+    assert isinstance(result["rounds_reduced_twice"], int) and result["rounds_reduced_twice"] >= 1, result
+
+
+@pytest.mark.timeout(420)
 def test_silent_claimants_quick(tmp_path: Path, cli_env: dict[str, str]) -> None:
     """Three admitted peers claim a far newer state and never answer: the honest four commit on and agree."""
     result = _chaos(tmp_path, cli_env, "silent-claimants", timeout=400)
