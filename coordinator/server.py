@@ -37,9 +37,10 @@ from typing import Any, Self
 
 import uvicorn
 
-from swarmloco.coordinator.app import create_app
+from swarmloco.coordinator.app import create_app, with_fast_reports
 from swarmloco.coordinator.connections import ConnectionGuard, ConnectionLimits, guarded_protocol
 from swarmloco.coordinator.files import write_atomically
+from swarmloco.coordinator.ingest import IngestConfig, IngestPipeline
 from swarmloco.coordinator.service import CoordinatorService, ServiceConfig
 from swarmloco.coordinator.store import SQLiteStore
 from swarmloco.protocol.base.records import checkpoint_key, revocations_key
@@ -71,6 +72,7 @@ class CoordinatorConfig:
     service: ServiceConfig = field(default_factory=ServiceConfig)
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     group_commit: bool = True  # reports that arrive together share one commit (False: one each; for benchmarks)
+    ingest: IngestConfig = field(default_factory=IngestConfig)  # verifier threads and bounds of the report pipeline
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -106,8 +108,11 @@ class CoordinatorServer:
         # Connections are capped and timed out by the guard (see swarmloco.coordinator.connections); uvicorn's own
         # limit_concurrency would count idle connections and answer real requests 503.
         self.connections = ConnectionGuard.for_process(config.connections)
+        # Reports go through the ingest pipeline (coordinator/ingest.py), on a route in front of FastAPI's.
+        self.pipeline = IngestPipeline(self.service, config.ingest)
+        app = with_fast_reports(create_app(self.service, self.pipeline), self.service, self.pipeline)
         self._server = uvicorn.Server(uvicorn.Config(
-            create_app(self.service), http=guarded_protocol(self.connections), ws="none", log_level="warning",
+            app, http=guarded_protocol(self.connections), ws="none", log_level="warning",
             access_log=False, timeout_keep_alive=max(1, round(config.connections.idle_timeout_s)),
             limit_concurrency=None, h11_max_incomplete_event_size=config.connections.max_header_bytes,
             timeout_graceful_shutdown=3))
@@ -232,6 +237,7 @@ class CoordinatorServer:
         # default handler that would kill us before the DHT and the database are closed.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda signum, _frame: logger.info("stopping on signal %d", signum))
+        self.pipeline.start()
         try:
             self._server.run(sockets=[self._sock])
         finally:
@@ -241,6 +247,7 @@ class CoordinatorServer:
         """Serve in a background thread; returns once connections are accepted."""
         if self.config.dht:
             self.start_dht()
+        self.pipeline.start()
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="coordinator-http", daemon=True)
         self._thread.start()
@@ -266,6 +273,7 @@ class CoordinatorServer:
             self.dht = None
         try:
             self._sock.close()
+            self.pipeline.stop()  # answers what it holds before the database closes
         finally:
             self.store.close()
 

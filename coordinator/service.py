@@ -17,15 +17,15 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
-from swarmloco.coordinator.accounting import prices_problem, run_accounting, run_cost, wasted_tokens
+from swarmloco.coordinator.accounting import prices_problem, run_accounting, wasted_tokens
 from swarmloco.coordinator.authority import (
     HOSTILE_INPUT_ERRORS,
     LONE_SURROGATE,
@@ -37,7 +37,8 @@ from swarmloco.coordinator.authority import (
 )
 from swarmloco.coordinator.checkpoints import CheckpointConfig, Checkpointer
 from swarmloco.coordinator.limits import RateLimiter
-from swarmloco.coordinator.store import Page, Prefer, Store
+from swarmloco.coordinator.service_metrics import StoreCollector
+from swarmloco.coordinator.store import Page, PendingReport, Prefer, Store, StoredReport
 from swarmloco.protocol.base.manifest import Manifest, model_problem, package_version, settings_problem
 from swarmloco.protocol.base.records import PROTOCOL_VERSION
 from swarmloco.protocol.base.text import bounded, short_hash
@@ -45,12 +46,9 @@ from swarmloco.protocol.trust.certificates import Certificate
 from swarmloco.protocol.trust.identity import Identity
 from swarmloco.protocol.trust.reports import MAX_REPORT_BYTES, Report, ReportError, content_hash, parse_report
 
-__all__ = ["Answer", "CoordinatorService", "ServiceConfig"]
+__all__ = ["Answer", "CoordinatorService", "Parsed", "ServiceConfig"]
 
 logger = logging.getLogger(__name__)
-
-DURATION_BUCKETS: tuple[float, ...] = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
-
 
 @dataclass(frozen=True, kw_only=True)
 class ServiceConfig:
@@ -105,6 +103,15 @@ class ServiceConfig:
             raise ValueError(f"run model: {problem}")
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Parsed:
+    """A report whose signature verified, with its content hash and when it arrived."""
+
+    report: Report
+    digest: str
+    received_at: float
+
+
 MIN_CHECKPOINT_GAP_S = 5.0  # checkpoints are not re-signed more often than this, however often they are asked for
 
 
@@ -133,7 +140,7 @@ class CoordinatorService:
         self.bootstrap: list[str] = []  # the DHT node's multiaddrs, once it runs (the manifest names them)
         self.url = ""  # where this coordinator is served, once it is
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_StoreCollector(self))  # type: ignore[arg-type]
+        self.registry.register(StoreCollector(self))  # type: ignore[arg-type]
         self.started_at = clock()
 
     def manifest(self) -> dict[str, Any]:
@@ -163,6 +170,20 @@ class CoordinatorService:
 
     def ingest(self, raw: bytes, *, client: str = "?") -> Answer:
         """Admit one raw report; never raises for bad input."""
+        parsed = self.parse(raw, client=client)
+        if isinstance(parsed, Answer):
+            return parsed
+        item = self.check(parsed)
+        if isinstance(item, Answer):
+            return item
+        stored = self.store.add_report(item.report, content_hash=item.content_hash, received_at=item.received_at,
+                                       certificate=item.certificate, uncredited=item.uncredited,
+                                       keep_reports=item.keep_reports, prefer=item.prefer)
+        return self.stored(stored, parsed.digest)
+
+    def parse(self, raw: bytes, *, client: str = "?") -> Answer | Parsed:
+        """The first steps of :meth:`ingest`, which read nothing from the store (any thread may run them): the
+        client's rate, then size, JSON, schema and signature. An :class:`Answer` refuses the report."""
         now = self.clock()
         if not self._limiter.allow(client, now):
             return Answer(status=429, body={"error": "too many reports from this client; retry with back-off"})
@@ -175,7 +196,13 @@ class CoordinatorService:
         envelope = report.to_json()
         if not valid_unicode(envelope):
             return Answer(status=400, body={"error": LONE_SURROGATE})
-        digest = content_hash(envelope)
+        return Parsed(report=report, digest=content_hash(envelope), received_at=now)
+
+    def check(self, parsed: Parsed) -> Answer | PendingReport:
+        """The steps of :meth:`ingest` that read the store: a known (peer, nonce) is answered as before, then the
+        timestamp window, revocation and ticket, the peer's rate and the commit certificate. Returns what to store,
+        or the :class:`Answer` that refuses it."""
+        report, digest, now = parsed.report, parsed.digest, parsed.received_at
         known = self.store.find_report(report.peer_id, report.nonce)
         if known is not None:
             return self._known(known.content_hash, digest, known.response)
@@ -191,9 +218,12 @@ class CoordinatorService:
         if not self._per_peer.allow(report.peer_id, now):
             return Answer(status=429, body={"error": "too many reports from this peer; retry with back-off"})
         certificate, uncredited = self._certificate(report)
-        stored = self.store.add_report(report, content_hash=digest, received_at=now, certificate=certificate,
-                                       uncredited=uncredited, keep_reports=self.config.keep_reports_per_peer,
-                                       prefer=self._prefer(report.run_id) if certificate is not None else None)
+        return PendingReport(report=report, content_hash=digest, received_at=now, certificate=certificate,
+                             uncredited=uncredited, keep_reports=self.config.keep_reports_per_peer,
+                             prefer=self._prefer(report.run_id) if certificate is not None else None)
+
+    def stored(self, stored: StoredReport, digest: str) -> Answer:
+        """The answer to a report once the store holds it (durably)."""
         if not stored.created:  # lost a race with a concurrent copy of the same report
             return self._known(stored.content_hash, digest, stored.response)
         return Answer(status=200, body=stored.response)
@@ -300,74 +330,3 @@ class CoordinatorService:
 
     def prometheus_text(self) -> bytes:
         return generate_latest(self.registry)
-
-
-class _StoreCollector:
-    """Computes the Prometheus families from the store at scrape time, so they survive restarts."""
-
-    def __init__(self, service: CoordinatorService) -> None:
-        self.service = service
-
-    def collect(self) -> Iterator[Any]:
-        store, cfg = self.service.store, self.service.config
-        online = GaugeMetricFamily("swarmloco_peers_online", "Peers seen within the online window and not gone")
-        online.add_metric([], store.peers_online(self.service.clock() - cfg.online_window_s))
-        yield online
-        rounds = CounterMetricFamily("swarmloco_rounds", "Distinct rounds recorded, by outcome", labels=["outcome"])
-        for outcome, n in sorted(store.rounds_by_outcome().items()):
-            rounds.add_metric([outcome], n)
-        yield rounds
-        tokens = CounterMetricFamily("swarmloco_tokens", "Tokens all peers report having processed (their word)")
-        tokens.add_metric([], store.tokens_total())
-        yield tokens
-        credited = CounterMetricFamily("swarmloco_credited_tokens", "Tokens certified rounds credited as verified "
-                                       "work, all peers")
-        credited.add_metric([], store.credited_tokens())
-        yield credited
-        counts, total, seconds = store.round_duration_histogram(DURATION_BUCKETS)
-        buckets = [(repr(float(edge)), n) for edge, n in zip(DURATION_BUCKETS, counts, strict=True)]
-        buckets.append(("+Inf", total))
-        hist = HistogramMetricFamily("swarmloco_round_duration_seconds",
-                                     "Per-peer round duration (train + wait + average)")
-        hist.add_metric([], buckets, sum_value=seconds)
-        yield hist
-        yield from _account_families(store, self.service)
-        reports = CounterMetricFamily("swarmloco_reports", "Reports stored")
-        reports.add_metric([], store.counts()["reports"])
-        yield reports
-
-
-def _account_families(store: Store, service: CoordinatorService) -> Iterator[Any]:
-    """Contribution and cost counters of every run, from the peers' accounts."""
-    seconds = CounterMetricFamily("swarmloco_device_seconds", "Device seconds peers were in a run, by device kind "
-                                  "and whether a certified round credited them", labels=["kind", "credited"])
-    compute = CounterMetricFamily("swarmloco_compute_seconds", "Seconds peers report training, by device kind",
-                                  labels=["kind", "credited"])
-    for kind, credited, device_s, compute_s in store.device_seconds():
-        seconds.add_metric([kind, str(credited).lower()], device_s)
-        compute.add_metric([kind, str(credited).lower()], compute_s)
-    yield seconds
-    yield compute
-    totals = store.account_totals(online_since=service.clock() - service.config.online_window_s)
-    wasted = CounterMetricFamily("swarmloco_wasted_tokens", "Tokens trained and not merged: refused by certified "
-                                 "rounds, dropped on resync, lost with peers that left")
-    wasted.add_metric([], totals["wasted_tokens"])
-    yield wasted
-    moved = CounterMetricFamily("swarmloco_averaging_bytes", "Bytes peers report moving in rounds",
-                                labels=["direction"])
-    moved.add_metric(["sent"], totals["bytes_sent"])
-    moved.add_metric(["received"], totals["bytes_received"])
-    yield moved
-    rounds = CounterMetricFamily("swarmloco_peer_rounds", "Rounds per peer role or fate, summed over peers",
-                                 labels=["kind"])
-    for kind in ("led", "failed", "missed"):
-        rounds.add_metric([kind], totals[f"rounds_{kind}"])
-    yield rounds
-    resyncs = CounterMetricFamily("swarmloco_resyncs", "Newer states peers adopted")
-    resyncs.add_metric([], totals["resyncs"])
-    yield resyncs
-    cost = run_cost(store, service.config.run_id, service.config.prices)
-    if cost is not None:
-        gauge = GaugeMetricFamily("swarmloco_run_cost", "The coordinator's run: billed device-hours times --price")
-        gauge.add_metric([], cost)
-        yield gauge
