@@ -61,6 +61,11 @@ BUSY = Answer(status=503, body={"error": "coordinator busy: too many reports in 
 STOPPED = Answer(status=503, body={"error": "coordinator is stopping; retry later"})
 
 
+def _give_up(future: asyncio.Future[Answer], answer: Answer) -> None:
+    if not future.done():
+        future.set_result(answer)
+
+
 @dataclass(eq=False, slots=True)
 class _Job:
     """One report on its way through the pipeline, and the future its request awaits."""
@@ -83,6 +88,8 @@ class IngestPipeline:
         self._count_lock = threading.Lock()
         self._pending = 0
         self._stopped = False
+        self._late = Answer(status=503, body={"error": f"no answer within {self.config.answer_timeout_s:g}s; retry "
+                                                       "(a retry of the same report gets its stored answer)"})
         self.batches = 0  # transactions the writer ran (for the benchmark and tests)
         self._verifiers = [threading.Thread(target=self._verify_loop, name=f"ingest-verify-{i}", daemon=True)
                            for i in range(self.config.verifiers)]
@@ -120,11 +127,12 @@ class IngestPipeline:
         loop = asyncio.get_running_loop()
         job = _Job(raw, client, loop, loop.create_future())
         (self._raw if self._verifiers else self._verified).put(job)
+        # a timer rather than asyncio.wait_for, which costs a task's worth of bookkeeping on every report
+        timer = loop.call_later(self.config.answer_timeout_s, _give_up, job.future, self._late)
         try:
-            return await asyncio.wait_for(job.future, self.config.answer_timeout_s)
-        except TimeoutError:
-            return Answer(status=503, body={"error": f"no answer within {self.config.answer_timeout_s:g}s; retry "
-                                                     "(a retry of the same report gets its stored answer)"})
+            return await job.future
+        finally:
+            timer.cancel()
 
     # -- threads ---------------------------------------------------------------------------------------------
 
