@@ -3,16 +3,27 @@ survive restarts."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from swarmloco.coordinator.accounting import run_cost
 from swarmloco.coordinator.store import Store
 
-if TYPE_CHECKING:
-    from swarmloco.coordinator.service import CoordinatorService
+
+class _Settings(Protocol):
+    online_window_s: float
+    run_id: str
+    prices: Mapping[str, float]
+
+
+class _Service(Protocol):
+    """What the collector reads of the coordinator's service (named here, so this module does not import it)."""
+
+    store: Store
+    config: _Settings
+    clock: Callable[[], float]
 
 __all__ = ["DURATION_BUCKETS", "StoreCollector"]
 
@@ -22,7 +33,7 @@ DURATION_BUCKETS: tuple[float, ...] = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 6
 class StoreCollector:
     """Computes the Prometheus families from the store at scrape time, so they survive restarts."""
 
-    def __init__(self, service: CoordinatorService) -> None:
+    def __init__(self, service: _Service) -> None:
         self.service = service
 
     def collect(self) -> Iterator[Any]:
@@ -54,7 +65,7 @@ class StoreCollector:
         yield reports
 
 
-def _account_families(store: Store, service: CoordinatorService) -> Iterator[Any]:
+def _account_families(store: Store, service: _Service) -> Iterator[Any]:
     """Contribution and cost counters of every run, from the peers' accounts."""
     seconds = CounterMetricFamily("swarmloco_device_seconds", "Device seconds peers were in a run, by device kind "
                                   "and whether a certified round credited them", labels=["kind", "credited"])
