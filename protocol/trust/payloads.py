@@ -13,16 +13,21 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
+from blake3 import blake3
+
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
 from swarmloco.protocol.trust.identity import Identity, verify
 
-_DOMAIN = b"swarmloco-round-v3\n"
+_DOMAIN = b"swarmloco-round-v4\n"
 NONCE_BYTES = 32
 DIGEST_BYTES = 32
 
 
 def digest(payload: bytes | bytearray | memoryview) -> bytes:
-    return hashlib.sha256(payload).digest()
+    """The digest a part, a result or audit evidence is signed over: BLAKE3, 32 bytes. Every member hashes about
+    2.5 × the vector per round (its parts and result out, the parts and results it receives); sha256 made that the
+    largest CPU cost of a 4-peer round after the audit, BLAKE3 runs about 4× faster and releases the GIL."""
+    return blake3(payload).digest()
 
 
 def _body(kind: str, *fields: bytes | str | int | float | Sequence[float] | Sequence[str]) -> bytes:
