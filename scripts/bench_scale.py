@@ -85,6 +85,9 @@ def summarise(by_round: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
         out[name] = median([r[name] for r in rounds if r[name] is not None])
     parts = [out[n] for n in ("matchmaking_s", "exchange_s", "commit_s")]
     out["overhead_s"] = sum(parts) if all(p is not None for p in parts) else None
+    # the measure of matchmaking at scale: its share of a round's time (target: at most 0.1)
+    mm, per_round = out["matchmaking_s"], out["round_s"]
+    out["matchmaking_share"] = round(mm / per_round, 3) if mm is not None and per_round else None
     return out
 
 
@@ -139,7 +142,8 @@ def _row(r: dict[str, Any], cores: int, base: dict[str, Any] | None) -> list[Any
     r["growth"], r["growth_over_log2"] = growth, log_ratio
     members = "/".join(str(m) for m in r.get("members", [])) or None
     mem = r.get("memory", {})
-    return [n, members, r.get("round_s"), r.get("matchmaking_s"), r.get("exchange_s"), r.get("commit_s"),
+    return [n, members, r.get("round_s"), r.get("matchmaking_s"), r.get("matchmaking_share"), r.get("exchange_s"),
+            r.get("commit_s"),
             r.get("overhead_s"), share, norm, growth, log_ratio, mem.get("per_peer_pss_mb"),
             mem.get("peak_peer_tree_rss_mb"), r.get("note", "")]
 
@@ -159,12 +163,14 @@ def run(args: argparse.Namespace) -> int:
     base = next((r for r in results if r.get("overhead_s")), None)
     rows = [_row(r, cores, base) for r in results]
     print(table(f"Round overhead and memory vs peers ({cores} cores, tiny preset, {args.codec}, {args.spawn})",
-                ["peers", "members per round", "s per round", "matchmaking s", "exchange s", "commit s",
+                ["peers", "members per round", "s per round", "matchmaking s", "matchmaking share", "exchange s",
+                 "commit s",
                  "overhead s", "CPU share", "overhead × share s", "growth", "growth ÷ log2 growth",
                  "PSS per peer MB", "max peer tree RSS MB", "note"], rows,
                 [f"{rounds} rounds of H={inner} per swarm, median over each round's members, then over rounds; "
                  "s per round: between consecutive commits (the first round includes start-up and is not in it)",
-                 "overhead = matchmaking (ready → group closed, includes the grace window) + exchange + commit",
+                 "overhead = matchmaking (ready → group closed, includes the grace window) + exchange + commit; "
+                 "matchmaking share = matchmaking s ÷ s per round",
                  f"CPU share = min(1, {cores} cores / peers); growth = (overhead × share) ÷ the same at "
                  f"{base['peers'] if base else '—'} peers; ÷ log2 growth: growth ÷ (log2 N ÷ log2 N₀), ≤ 1 is "
                  "no faster than log(peers)",
