@@ -135,8 +135,7 @@ async def reduce_shards(plan: Plan, delta: torch.Tensor, *, me: str, codec: Code
             except RoundAborted as exc:  # said in the words of the old rule when we lacked a shard ourselves
                 lost = "; ".join(results.lost.values())
                 raise RoundAborted(f"shard lost: {bounded(lost, 500)} ({exc})" if lost else str(exc),
-                                   blame=next(iter(results.lost), exc.blame),
-                                   cheaters={**cheaters, **exc.cheaters}) from exc
+                                   blame=next(iter(results.lost), exc.blame), cheaters=exc.cheaters) from exc
             if recovery.plan is None:
                 break
             current = recovery.plan
@@ -157,10 +156,12 @@ async def reduce_shards(plan: Plan, delta: torch.Tensor, *, me: str, codec: Code
             if found.cheaters:
                 convicted = "; ".join(f"{short_id(p)} {why}" for p, why in found.cheaters.items())
                 raise RoundAborted("audit failed: " + convicted, blame=next(iter(found.cheaters)),
-                                   cheaters={**cheaters, **found.cheaters})
-    except BaseException:
+                                   cheaters=found.cheaters)
+    except BaseException as exc:
         for pipe in pipes.values():
             pipe.close()
+        if isinstance(exc, RoundAborted) and not set(cheaters) <= set(exc.cheaters):  # a first pass's convicts too
+            raise RoundAborted(str(exc), blame=exc.blame, cheaters={**cheaters, **exc.cheaters}) from exc
         raise
     finishing = [asyncio.ensure_future(pipes[p].finish(plan.round)) for p in passing]
     for p in set(pipes) - set(passing):  # reducers the re-plan left out: nothing more is read from them
