@@ -3,7 +3,9 @@
 `Averager.run_round` drives them from the training thread, which applies the average in between:
 
     exchange  leader: collect the members' claims, bound their weights, cut the vector into shards, send the plan;
-              member: send the claim, receive and check the plan. Then everyone runs the sharded reduce.
+              member: send the claim, receive and check the plan. Then everyone runs the sharded reduce, which
+              settles twice a pass with the leader (`swarmloco.protocol.round.settle`): whose parts count, and
+              whether every reduced shard arrived or the round is reduced again without a reducer that failed it.
     certify   member: sign the statement with its own new hash and vote; wait for the certificate.
               leader: count the votes for its own hash and, with a majority of the swarm, send the certificate.
     abort     tell the members the round is over without a certificate (leader), or just leave (member).
