@@ -28,7 +28,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -59,6 +61,9 @@ from swarmloco.protocol.trust.payloads import (
 )
 
 M = TypeVar("M", bound=Message)
+# Each shard's sketches are independent (their own probe generators), and torch's draws and float64 dots release the
+# GIL: a member sketches its shards on up to this many cores at once.
+_SKETCH = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="swarmloco-sketch")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,16 +131,15 @@ async def audit(case: AuditCase, pipes: dict[str, Pipe], *, timeout: float) -> F
 
     def sketch_all() -> tuple[list[list[float]], list[list[float]], dict[str, list[float]], _Gradient | None]:
         grad = _Gradient.of(case, seed)
-        own, results, held = [], [], {}
-        for j in range(len(plan.members)):
-            theirs = case.average[plan.shard(j)]
-            extra = [case.parts[p] for p in case.settled if p != me] if j == case.k else []
-            out = _sketch(seed, j, case.probes, grad, [case.own[j], theirs, *extra])
-            own.append(out[0])
-            results.append(out[1])
-            if j == case.k:
-                held = dict(zip([p for p in case.settled if p != me], out[2:], strict=True))
-        return own, results, held, grad
+        others = [p for p in case.settled if p != me]
+
+        def one(j: int) -> list[list[float]]:
+            extra = [case.parts[p] for p in others] if j == case.k else []
+            return _sketch(seed, j, case.probes, grad, [case.own[j], case.average[plan.shard(j)], *extra])
+
+        outs = list(_SKETCH.map(one, range(len(plan.members))))
+        held = dict(zip(others, outs[case.k][2:], strict=True))
+        return [out[0] for out in outs], [out[1] for out in outs], held, grad
 
     own, result_sketches, held, grad = await loop.run_in_executor(None, sketch_all)
     width = q + (grad is not None)  # values per shard: the random probes, then <g_j, part> when scoring
