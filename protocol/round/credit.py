@@ -33,7 +33,7 @@ import torch
 from swarmloco.protocol.round.config import RoundConfig
 from swarmloco.protocol.round.exchange import MemberClaim
 from swarmloco.protocol.round.plans import Plan
-from swarmloco.protocol.round.robust import PROBE_CHUNK
+from swarmloco.protocol.round.robust import PROBE_CHUNK, float64_dots
 from swarmloco.protocol.round.rules import token_weights
 from swarmloco.protocol.trust.certificates import Head
 
@@ -86,16 +86,9 @@ def clip_scales(norms: Sequence[float], coeffs: Sequence[float], tau: float) -> 
 
 
 def gradient_dots(g: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[float]:
-    """<g, x> for each x (all of g's length), in float64 like the audit's random probes, a chunk at a time."""
-    out = [0.0] * len(tensors)
-    wide = torch.empty(min(g.numel(), PROBE_CHUNK), dtype=torch.float64)
-    other = torch.empty_like(wide)
-    for start in range(0, g.numel(), PROBE_CHUNK):
-        stop = min(g.numel(), start + PROBE_CHUNK)
-        w = wide[: stop - start].copy_(g[start:stop])
-        for i, x in enumerate(tensors):
-            out[i] += float(torch.dot(w, other[: stop - start].copy_(x[start:stop])))
-    return out
+    """<g, x> for each x (all of g's length), in float64 like the audit's random probes."""
+    return float64_dots(((start, g[start : start + PROBE_CHUNK]) for start in range(0, g.numel(), PROBE_CHUNK)),
+                        tensors)
 
 
 def gradient_dot_matches(claimed: float, ours: float, *, g_norm: float, part_norm: float, size: int) -> bool:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -106,23 +106,34 @@ def probe_seed(seed: bytes, shard: int, probe: int) -> int:
     return int.from_bytes(hashlib.sha256(seed + f"/{shard}/{probe}".encode()).digest()[:8], "little") >> 1
 
 
+def float64_dots(chunks: Iterable[tuple[int, torch.Tensor]], tensors: Sequence[torch.Tensor]) -> list[float]:
+    """For each tensor x: Σ over `chunks` (start, c) of <c, x[start : start + len(c)]>, products and sums in
+    float64. Each chunk is widened once and dotted with every tensor's matching slice, widened in turn: two peers'
+    dots of the same values differ only by summation order. (Summing float32 products with `sum(dtype=float64)`
+    gives the same numbers at about 5× the cost: the widening reduction does not vectorise.)"""
+    out = [0.0] * len(tensors)
+    wide = other = torch.empty(0, dtype=torch.float64)
+    for start, chunk in chunks:
+        n = chunk.numel()
+        if wide.numel() < n:
+            wide, other = torch.empty(n, dtype=torch.float64), torch.empty(n, dtype=torch.float64)
+        w = wide[:n].copy_(chunk)
+        for i, x in enumerate(tensors):
+            out[i] += float(torch.dot(w, other[:n].copy_(x[start : start + n])))
+    return out
+
+
 def sketches(seed: bytes, shard: int, probes: int, tensors: Sequence[torch.Tensor]) -> list[list[float]]:
     """For each tensor x (all of one shard's length): [<R_p, x> for p in range(probes)], R_p standard normal from
-    (seed, shard, p). Each R_p chunk is drawn once (float32), widened to float64 once, and dotted with every
-    tensor's chunk widened to float64: products and sums in float64, so two peers' sketches of the same values
-    differ only by summation order. (Summing float32 products with `sum(dtype=float64)` gave the same numbers at
-    about 5× the cost: the widening reduction does not vectorise.)"""
+    (seed, shard, p), drawn (float32) a chunk at a time and dotted in float64 (`float64_dots`)."""
     size = tensors[0].numel()
     out = [[0.0] * probes for _ in tensors]
-    wide = torch.empty(min(size, PROBE_CHUNK), dtype=torch.float64)
-    other = torch.empty_like(wide)
     for p in range(probes):
         gen = torch.Generator().manual_seed(probe_seed(seed, shard, p))
-        for start in range(0, size, PROBE_CHUNK):
-            stop = min(size, start + PROBE_CHUNK)
-            r = wide[: stop - start].copy_(torch.randn(stop - start, generator=gen))
-            for i, x in enumerate(tensors):
-                out[i][p] += float(torch.dot(r, other[: stop - start].copy_(x[start:stop])))
+        draws = ((start, torch.randn(min(PROBE_CHUNK, size - start), generator=gen))
+                 for start in range(0, size, PROBE_CHUNK))
+        for values, dot in zip(out, float64_dots(draws, tensors), strict=True):
+            values[p] = dot
     return out
 
 
