@@ -70,7 +70,7 @@ def view_0_only_leader(net: FakeNetwork, ids: list[str]) -> FakeTransport:
 def announce(transport: FakeTransport, round_number: int = 0, state_hash: str = H0, *, work: int = 0,
              ready: bool = True, **extra: object) -> None:
     record = PeerRecord.announce(fingerprint="fp", config_json="{}", round=round_number, state_hash=state_hash,
-                                 work=work, ready=ready)
+                                 work=work, ready=ready, now=transport.clock.time())
     transport.update_record(**{**record.to_value(), **extra})
 
 
@@ -108,6 +108,11 @@ def run(averager: Averager, group: Group, i: int, applied: Applied, tokens: int 
                               rollback=applied.rollback)
 
 
+def _pool(averagers: list[Averager]) -> concurrent.futures.Executor:
+    """A thread per averager, driving it as its training thread would (on the network's clock)."""
+    return averagers[0].transport.net.pool(len(averagers))  # type: ignore[attr-defined]
+
+
 def whole_round(
     averagers: list[Averager], tokens: Callable[[int], int] = lambda i: 100
 ) -> tuple[list[RoundResult], list[Applied]]:
@@ -119,7 +124,7 @@ def whole_round(
         assert isinstance(found, Group), found
         return run(averagers[i], found, i, applied[i], tokens(i))
 
-    with concurrent.futures.ThreadPoolExecutor(len(averagers)) as pool:
+    with _pool(averagers) as pool:
         results = list(pool.map(one, range(len(averagers))))
     return results, applied
 
@@ -169,7 +174,7 @@ def round_from_heads(averagers: list[Averager], *, offset: int = 0, attempts: in
         assert isinstance(found, Group), found
         return run(averagers[i], found, i + offset, applied[i])
 
-    with concurrent.futures.ThreadPoolExecutor(len(averagers)) as pool:
+    with _pool(averagers) as pool:
         results = list(pool.map(one, range(len(averagers))))
     return results, applied
 

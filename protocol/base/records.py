@@ -68,10 +68,10 @@ class PeerRecord:
 
     @classmethod
     def announce(cls, *, fingerprint: str, config_json: str, round: int, state_hash: str, work: int = 0,
-                 ready: bool = False, eta: float | None = None) -> PeerRecord:
+                 ready: bool = False, eta: float | None = None, now: float | None = None) -> PeerRecord:
         """This peer's own record for a state it now holds: our protocol version, view 0, ready time `eta`
-        (unix seconds; now when omitted)."""
-        now = time.time()
+        (unix seconds; `now` when omitted, which is the machine's time unless given)."""
+        now = time.time() if now is None else now
         return cls(version=PROTOCOL_VERSION, fingerprint=fingerprint, config_json=config_json, round=round,
                    state_hash=state_hash, work=work, ready=ready, view=0, eta=now if eta is None else eta,
                    updated=now)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 
@@ -68,7 +67,7 @@ class Chain:
         self._refused[(round_number, state_hash)] = None
         while len(self._refused) > MAX_VERDICTS:
             self._refused.popitem(last=False)
-        until = time.monotonic() + DISTRUST_S
+        until = self.transport.clock.monotonic() + DISTRUST_S
         for peer in peers:
             if peer != self.transport.peer_id:
                 self._distrust[peer] = self._liars[peer] = until
@@ -89,7 +88,7 @@ class Chain:
                 if (r.round, r.state_hash) in self._verdicts or not outranks((r.work, r.round, r.state_hash), ours)}
 
     def _not_liars(self, records: Mapping[str, PeerRecord]) -> dict[str, PeerRecord]:
-        now = time.monotonic()
+        now = self.transport.clock.monotonic()
         return {p: r for p, r in records.items() if self._liars.get(p, 0.0) <= now}
 
     async def target(self, records: Mapping[str, PeerRecord], *, wait: float | None = None) -> Behind | None:
@@ -215,7 +214,7 @@ class Chain:
         with the claimant that served it; (None, "") when nobody asked could back it. A claimant that serves an
         invalid certificate is distrusted for a minute; one that could not be reached, for 30 s. The state
         itself is never condemned: a liar may claim an honest state too."""
-        now = time.monotonic()
+        now = self.transport.clock.monotonic()
         self._distrust = {p: t for p, t in self._distrust.items() if t > now}
         self._liars = {p: t for p, t in self._liars.items() if t > now}
         asked = [p for p in claim.donors if p not in self._distrust][:MAX_CLAIMANTS_ASKED]

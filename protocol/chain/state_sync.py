@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -121,14 +120,14 @@ class StateServer:
 
     def _penalized_for(self, caller: str) -> float:
         """Seconds `caller` must still wait after a session it let miss a chunk deadline (0: none)."""
-        now = time.monotonic()
+        now = self.node.clock.monotonic()
         while self._slow and next(iter(self._slow.values())) <= now:  # oldest first: they also expire first
             self._slow.popitem(last=False)
         return max(0.0, self._slow.get(caller, now) - now)
 
     def _penalize(self, caller: str) -> None:
         self._slow.pop(caller, None)
-        self._slow[caller] = time.monotonic() + self.limits.penalty_s
+        self._slow[caller] = self.node.clock.monotonic() + self.limits.penalty_s
         while len(self._slow) > self.limits.max_penalized:
             self._slow.popitem(last=False)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -125,11 +124,12 @@ async def serve_chunks(channel: Channel, blob: memoryview, first: pb.StateChunkR
                        limits: ServeLimits, on_chunk: ChunkCallback) -> int:
     """Answer chunk requests until the joiner hangs up, stalls, or the session's time is up; returns chunks sent."""
     leaves = -(-len(blob) // LEAF_BYTES)
-    deadline = time.monotonic() + limits.session_timeout_s
+    clock = asyncio.get_running_loop()  # the transport's clock (virtual on the in-memory one)
+    deadline = clock.time() + limits.session_timeout_s
     sent, req = 0, first
     while True:
         if req is None:
-            left = deadline - time.monotonic()
+            left = deadline - clock.time()
             if left <= 0:
                 return sent
             try:
@@ -143,11 +143,11 @@ async def serve_chunks(channel: Channel, blob: memoryview, first: pb.StateChunkR
             return sent
         start = req.index * LEAF_BYTES
         view = await on_chunk(req.index, blob[start : start + LEAF_BYTES])
-        began = time.monotonic()
+        began = clock.time()
         try:
             await channel.send_frame(pb.StateChunk(index=req.index, ok=True), view, timeout=limits.chunk_timeout_s)
         except WireError as exc:
-            if time.monotonic() - began >= 0.9 * limits.chunk_timeout_s:  # not a hang-up: it read too slowly
+            if clock.time() - began >= 0.9 * limits.chunk_timeout_s:  # not a hang-up: it read too slowly
                 raise TooSlow(f"chunk {req.index} not taken within {limits.chunk_timeout_s:.3g}s") from exc
             raise
         sent, req = sent + 1, None

@@ -21,6 +21,7 @@ import uvloop
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
+from swarmloco.protocol.base.clock import SYSTEM, Clock
 from swarmloco.protocol.base.records import PeerRecord, checkpoint_key, peers_key, revocations_key
 from swarmloco.protocol.base.text import short_id
 from swarmloco.protocol.network.config import NetworkConfig
@@ -49,6 +50,7 @@ class SwarmNode:
         self.dht: hivemind.DHT | LocalDHT | None = None
         self.p2p: P2P | None = None
         self.loop = uvloop.new_event_loop()  # roughly twice asyncio's stream throughput for the bulk tensors
+        self.clock: Clock = SYSTEM
         self._thread = threading.Thread(target=self._run_loop, name="swarm-loop", daemon=True)
         self._record: PeerRecord | None = None
         self._heartbeat: asyncio.Task[None] | None = None

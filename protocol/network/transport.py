@@ -15,6 +15,7 @@ import concurrent.futures
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol, TypeVar
 
+from swarmloco.protocol.base.clock import Clock
 from swarmloco.protocol.base.records import PeerRecord
 
 T = TypeVar("T")
@@ -30,6 +31,7 @@ class Transport(Protocol):
     def run_id(self) -> str: ...
 
     loop: asyncio.AbstractEventLoop
+    clock: Clock  # what deadlines and view ends are read from (`swarmloco.protocol.base.clock`)
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Run `coro` on the transport's loop; thread-safe."""

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -92,6 +91,7 @@ class Averager:
                  gate: Gate, genesis_hash: str, hooks: Hooks | None = None,
                  probe: Callable[[bytes], torch.Tensor] | None = None) -> None:
         self.transport, self.cfg, self.model = transport, cfg, model
+        self.clock = transport.clock  # every deadline and view end is read from it
         self.probe = probe  # the credit probe: g at θ_r on a batch drawn by the seed (None: credit unscored)
         self.credentials, self.gate = credentials, gate
         self.hooks = hooks or Hooks()
@@ -156,7 +156,7 @@ class Averager:
         whenever the round ends without a certificate after `apply` ran."""
         assert self.steps is not None, "call start() first"
         steps, d = self.steps, self.deadlines
-        started = time.monotonic()
+        started = self.clock.monotonic()
         prev = self.chain.head
         role = "leader" if group.is_leader else "member"
         applied = False
@@ -178,7 +178,7 @@ class Averager:
                                   new_hash=apply(reduced.average), members=reduced.members, weights=weights,
                                   swarm=plan.swarm, work=prev.work + sum(weights if credit is None else credit),
                                   credit=credit)
-            certify_started = time.monotonic()
+            certify_started = self.clock.monotonic()
             certificate, reason = self.transport.call(steps.certify(group, plan, statement),
                                                       timeout=d.transfer + 4 * d.control)
             outcome = Outcome.DISCARDED if certificate is None else (
@@ -188,12 +188,12 @@ class Averager:
                 weights=list(weights), excluded=plan.excluded, state_hash=statement.new_hash,
                 leader_hash=certificate.statement.new_hash if certificate is not None else "", reason=reason,
                 bytes_sent=reduced.sent, bytes_received=reduced.received, direct=reduced.direct, pipes=reduced.pipes,
-                certify_s=time.monotonic() - certify_started, certificate=certificate, audit_s=reduced.audit_s,
+                certify_s=self.clock.monotonic() - certify_started, certificate=certificate, audit_s=reduced.audit_s,
                 cheaters=dict(reduced.cheaters), passes=reduced.passes, failed=dict(reduced.failed))
         except Exception as exc:  # whatever ends the round early, nothing uncertified is kept
             if not isinstance(exc, (RoundAborted, concurrent.futures.TimeoutError, TimeoutError)):
                 logger.exception("round %d failed unexpectedly; discarding it", group.round)
-            reason = str(exc) or f"{type(exc).__name__} after {time.monotonic() - started:.1f}s"
+            reason = str(exc) or f"{type(exc).__name__} after {self.clock.monotonic() - started:.1f}s"
             self.transport.submit(steps.abort(group, reason))
             result = RoundResult(outcome=Outcome.DISCARDED, round=group.round, leader=group.leader, role=role,
                                  members=list(group.members), reason=reason,
@@ -206,7 +206,7 @@ class Averager:
                 self._judge(group, result)
         if result.outcome == Outcome.COMMITTED and result.certificate is not None:
             self.set_state(Head.of(result.certificate))
-        return replace(result, seconds=time.monotonic() - started)
+        return replace(result, seconds=self.clock.monotonic() - started)
 
     def _judge(self, group: Group, result: RoundResult) -> None:
         """Ban whoever was proven to cheat, and leave out of our next plans a peer that cost us this round: one

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable
 from typing import TypeVar
 
@@ -13,13 +12,14 @@ async def gather_with_grace(coros: list[Awaitable[T]], *, have: int, need: int, 
     """Await every coroutine, but once `need` results are in (counting `have` already held), give the rest at most
     max(floor, 2 × the time taken so far): a member that stalls its sends costs the round seconds, not its
     deadline. Results cut off are None (their coroutines are cancelled)."""
-    started = time.monotonic()
+    clock = asyncio.get_running_loop()  # the transport's clock (virtual on the in-memory one)
+    started = clock.time()
     tasks = [asyncio.ensure_future(c) for c in coros]
     pending = set(tasks)
     try:
         while pending:
             if have + len(tasks) - len(pending) >= need:
-                grace = max(floor, 2 * (time.monotonic() - started))
+                grace = max(floor, 2 * (clock.time() - started))
                 _, pending = await asyncio.wait(pending, timeout=grace)
                 break
             _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)

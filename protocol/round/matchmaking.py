@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
 from swarmloco.protocol.base.hooks import Hooks
@@ -58,6 +57,7 @@ class Matchmaker:
         hooks: Hooks | None = None,
     ) -> None:
         self.transport, self.cfg, self.model = transport, cfg, model
+        self.clock = transport.clock  # every deadline and view end is read from it
         self.hooks = hooks or Hooks()
         self.chain, self.gate, self.credentials = chain, gate, credentials
         self.deadlines = Deadlines.of(cfg)
@@ -84,12 +84,12 @@ class Matchmaker:
         """The closed group for round r, or the newer state to fetch. Raises RoundAborted past round_timeout_s."""
         self.set_state(round_number, state_hash)
         views = self._ready(round_number, state_hash)
-        deadline = time.monotonic() + self.cfg.round_timeout_s
+        deadline = self.clock.monotonic() + self.cfg.round_timeout_s
         active: set[str] = {self.transport.peer_id}
         weights = self._weights()
         last: tuple[int, str] | None = None
         try:
-            while time.monotonic() < deadline:
+            while self.clock.monotonic() < deadline:
                 try:
                     found = await self.transport.fetch_records(timeout=self.deadlines.control)
                 except TimeoutError:
@@ -109,12 +109,13 @@ class Matchmaker:
                 weights = self._weights()
                 views.see([r.eta for r in here.values() if r.ready], lookback_s=self.cfg.round_timeout_s)
                 decision = decide(me=me, views=views, here=here, seed=self.seed or state_hash,
-                                  schedule=self.schedule, now=time.time(), eligible=weights.eligible)
+                                  schedule=self.schedule, now=self.clock.time(), eligible=weights.eligible)
                 self.transport.update_record(view=decision.view)
                 if (decision.view, decision.leader) != last:
                     last = (decision.view, decision.leader)
                     logger.debug("round %d view %d: %s %s (%.1fs left in the view)", round_number, decision.view,
-                                 decision.action.value, short_id(decision.leader), decision.until_end(time.time()))
+                                 decision.action.value, short_id(decision.leader),
+                                 decision.until_end(self.clock.time()))
                 group: Group | Declined | None = None
                 if decision.action is Action.LEAD:
                     group = await self._lead(round_number, decision, active, here, weights)
@@ -123,7 +124,7 @@ class Matchmaker:
                     group = await self._try_join(decision.leader, round_number, state_hash, decision, active,
                                                  weights)
                     if not isinstance(group, Group):
-                        await asyncio.sleep(min(POLL_S, decision.until_end(time.time())))
+                        await asyncio.sleep(min(POLL_S, decision.until_end(self.clock.time())))
                 if isinstance(group, Group):
                     self._formed = (round_number, state_hash, decision.view)
                     group.view = decision.view
@@ -144,7 +145,7 @@ class Matchmaker:
         were busy since the last look (our record said so: in the exchange of a group of ours that failed, or
         training after a state we could not adopt). Were it to move with every look, a peer that holds its members
         until its view ends would be the only peer ready by the next view's cutoff, and would lead that one too."""
-        now = time.time()
+        now = self.clock.time()
         views = self.views
         own = self.transport.own_record()
         if views is None or (views.round, views.state_hash) != (round_number, state_hash):
@@ -166,7 +167,7 @@ class Matchmaker:
         """One look as the view's leader: close the group if quorum and grace (or the view's end) allow, else wait
         for a join or the next poll."""
         collect = self._ensure_collecting(round_number, decision.view)
-        now, wall = time.monotonic(), time.time()
+        now, wall = self.clock.monotonic(), self.clock.time()
         group = [self.transport.peer_id, *collect.members]
         if weights.enough(group, active) and not self.hooks.hold_group(round_number):
             collect.quorum_at = collect.quorum_at or now
@@ -261,7 +262,7 @@ class Matchmaker:
                 link.close()
                 return Declined("leader not admitted")
             closed, _ = await read_frame(reader, pb.GroupClosed, max_payload=0,
-                                         timeout=decision.until_end(time.time()) + d.control)
+                                         timeout=decision.until_end(self.clock.time()) + d.control)
             if closed.round != round_number or closed.codec != self.cfg.codec or \
                     self.transport.peer_id not in closed.members:
                 link.close()

@@ -3,20 +3,25 @@
 Round logic runs on it unchanged, so matchmaking and the exchange are tested in milliseconds and deterministically:
 `partition` hides records from some peers (as DHT reads at different moments do), `kill` makes a peer vanish
 mid-round (its streams break, its record and handlers disappear), and a test can serve its own stream handler to
-play a silent or hostile peer.
+play a silent or hostile peer. Its loop runs on a virtual clock (`virtual_time`) unless told otherwise: timeouts
+expire when every peer has waited for them, however busy the machine is.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
-from collections.abc import Coroutine
+import time
+from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+from swarmloco.protocol.base.clock import SYSTEM, Clock
 from swarmloco.protocol.base.records import PeerRecord
 from swarmloco.protocol.network.transport import Stream, StreamHandler, run_on
+from swarmloco.protocol.testing.virtual_time import DrivingPool, ParkingFuture, VirtualClock, VirtualLoop
 from swarmloco.protocol.trust.admission import Credentials
 from swarmloco.protocol.trust.identity import Identity
 
@@ -52,10 +57,14 @@ class _PipeEnd:
 
 
 class FakeNetwork:
-    """Owns the loop thread shared by every fake peer; use as a context manager."""
+    """Owns the loop thread shared by every fake peer; use as a context manager (the thread that enters it drives
+    the peers: see `virtual_time`). `virtual=False`: the machine's clock instead."""
 
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
+    def __init__(self, *, virtual: bool = True) -> None:
+        self.virtual: VirtualClock | None = VirtualClock() if virtual else None
+        self.clock: Clock = self.virtual or SYSTEM
+        self.loop = VirtualLoop(self.virtual) if self.virtual else asyncio.new_event_loop()
+        self._driving: contextlib.ExitStack | None = None
         self._thread = threading.Thread(target=self.loop.run_forever, name="fake-net", daemon=True)
         self._thread.start()
         self.records: dict[str, PeerRecord] = {}
@@ -66,10 +75,38 @@ class FakeNetwork:
         self._tasks: set[asyncio.Task[None]] = set()
 
     def __enter__(self) -> FakeNetwork:
+        if self.virtual is not None:
+            self._driving = contextlib.ExitStack()
+            self._driving.enter_context(self.virtual.drive())
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # --- waiting, for the threads that drive the peers (on the virtual clock, these let time pass) ---------------
+    def sleep(self, seconds: float) -> None:
+        """Let the peers run for `seconds`."""
+        if self.virtual is not None:
+            self.virtual.sleep(seconds)
+        else:
+            time.sleep(seconds)
+
+    def until(self, condition: Callable[[], bool], timeout: float) -> bool:
+        """Let the peers run until `condition()` holds (True) or `timeout` passes (False)."""
+        if self.virtual is not None:
+            return self.virtual.until(condition, timeout)
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def pool(self, workers: int) -> concurrent.futures.Executor:
+        """Threads to drive peers from (each peer's own, as a training thread is)."""
+        if self.virtual is not None:
+            return DrivingPool(self.virtual, workers)
+        return concurrent.futures.ThreadPoolExecutor(workers)
 
     def peer(self, *, run_id: str = "fake-run") -> FakeTransport:
         """A new peer with a real Ed25519 identity (its peer id is the key's), so it signs like a real one."""
@@ -99,9 +136,21 @@ class FakeNetwork:
                     end.other.close()
 
     def call(self, coro: Coroutine[Any, Any, T], *, timeout: float) -> T:
-        return run_on(self.loop, coro, timeout=timeout)
+        if self.virtual is None:
+            return run_on(self.loop, coro, timeout=timeout)
+        future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), self.loop)
+        self.virtual.wait(future, None)
+        return future.result(0)
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return future if self.virtual is None else ParkingFuture(self.virtual, future)
 
     def close(self) -> None:
+        if self._driving is not None:  # stop driving first, so that what the cancelled tasks do as they end may run
+            self._driving.close()
+            self._driving = None
+
         async def stop() -> None:
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for task in tasks:
@@ -112,6 +161,8 @@ class FakeNetwork:
             asyncio.run_coroutine_threadsafe(stop(), self.loop).result(5)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(5)
+        if self.virtual is not None and not self._thread.is_alive() and not self.loop.is_closed():
+            self.loop.close()  # and its executor's threads
 
     async def _connect(self, caller: str, callee: str, name: str) -> Stream:
         handler = self.handlers.get((callee, name))
@@ -139,6 +190,7 @@ class FakeTransport:
         self.net, self._peer_id, self._run_id = net, identity.peer_id, run_id
         self.credentials = Credentials(identity)  # no ticket: fake peers form a private swarm unless a test says so
         self.loop = net.loop
+        self.clock = net.clock
 
     @property
     def peer_id(self) -> str:
@@ -149,7 +201,7 @@ class FakeTransport:
         return self._run_id
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return self.net.submit(coro)
 
     def call(self, coro: Coroutine[Any, Any, T], *, timeout: float) -> T:
         return self.net.call(coro, timeout=timeout)

@@ -3,9 +3,7 @@ round, a member that never sends, and the join race — in milliseconds, without
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import threading
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -80,10 +78,8 @@ def test_split_halves_each_below_the_majority_meet_around_the_views_leader(net: 
     ids = [a.transport.peer_id for a in averagers]
     net.partition({ids[0], ids[2]}, {ids[1], ids[3]})
     futures = [a.find_group(0, H0) for a in averagers]
-    deadline = time.monotonic() + 5
-    while sum(1 for a in averagers if a.matchmaker._collect is not None and a.matchmaker._collect.members) < 2:  # type: ignore[union-attr]
-        assert time.monotonic() < deadline, "the two halves did not each form a group"
-        time.sleep(0.01)
+    assert net.until(lambda: sum(1 for a in averagers if a.matchmaker._collect is not None  # type: ignore[union-attr]
+                                 and a.matchmaker._collect.members) >= 2, 5), "the two halves did not each form a group"  # type: ignore[union-attr]
     net.heal()
     groups = [f.result(timeout=15) for f in futures]
     assert all(isinstance(g, Group) for g in groups)
@@ -107,12 +103,12 @@ def test_a_group_that_loses_a_member_below_quorum_is_discarded_and_rolled_back(n
         assert reply.status == pb.JoinReply.ACCEPTED, reply
 
     found = leader.find_group(0, H0)
-    time.sleep(0.05)  # the leader is collecting
+    net.sleep(0.05)  # the leader is collecting
     net.call(join_then_die(), timeout=5)
     net.kill(victim.peer_id)  # the leader still counts it: 2 of 3, so the group waits for the member
     member_found = member.find_group(0, H0)
     applied = [Applied(), Applied()]
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    with net.pool(2) as pool:
         runs = [pool.submit(lambda a=a, f=f, i=i: run(a, f.result(timeout=10), i, applied[i]))
                 for i, (a, f) in enumerate([(leader, found), (member, member_found)])]
         results = [r.result(timeout=20) for r in runs]
@@ -172,10 +168,10 @@ def test_member_that_never_sends_is_excluded_and_the_round_commits(net: FakeNetw
         held.append((reader, writer))  # never sends a contribution, never closes
 
     found = averagers[0].find_group(0, H0)
-    time.sleep(0.05)
+    net.sleep(0.05)
     net.call(join_and_hold(), timeout=5)
     applied = [Applied(), Applied()]
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    with net.pool(2) as pool:
         lead = pool.submit(lambda: run(averagers[0], found.result(timeout=10), 0, applied[0], 10))  # type: ignore[arg-type]
         memb = pool.submit(lambda: run(averagers[1], averagers[1].find_group(0, H0).result(timeout=10), 1,  # type: ignore[arg-type]
                                        applied[1], 10))
@@ -192,7 +188,7 @@ def test_a_peer_that_goes_to_join_another_leader_stops_admitting_members(net: Fa
     lone = averager_for(net.peer(), quorum=2)
     announce(lone.transport)  # type: ignore[arg-type]
     found = lone.find_group(0, H0)
-    time.sleep(0.05)  # it is collecting, nobody else is ready
+    net.sleep(0.05)  # it is collecting, nobody else is ready
     preferred = net.peer()
     while by_rank([lone, averager_for(preferred, quorum=2)])[0] is lone:
         preferred = net.peer()  # a peer that outranks it for this state
@@ -207,7 +203,7 @@ def test_a_peer_that_goes_to_join_another_leader_stops_admitting_members(net: Fa
 
     net.call(preferred.add_handler(lone.matchmaker.handler_name, slow_leader), timeout=1)  # type: ignore[union-attr]
     announce(preferred)
-    assert asked.wait(5), "the lone leader never went to join the better-ranked one"
+    assert net.until(asked.is_set, 5), "the lone leader never went to join the better-ranked one"
     asker = net.peer()
 
     async def ask() -> int:
