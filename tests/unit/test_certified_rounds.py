@@ -3,7 +3,6 @@ certified states, forged certificates refused, and a partition whose two chains 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -73,7 +72,7 @@ def test_four_peers_at_quorum_two_commit_round_one_once(net: FakeNetwork) -> Non
         except RoundAborted:
             groups.append(None)
     applied = [Applied() for _ in averagers]
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    with net.pool(4) as pool:
         runs = [pool.submit(run, a, g, i, applied[i]) for i, (a, g) in enumerate(zip(averagers, groups, strict=True))
                 if isinstance(g, Group)]
         results = [r.result(timeout=20) for r in runs]

@@ -6,7 +6,6 @@ Each defence has its control: the plain mean lets the poison through, and the ch
 name the cheater (take one out and the test fails)."""
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -231,7 +230,7 @@ def test_a_look_that_forms_no_group_keeps_the_peers_readiness_time(net: FakeNetw
         return net.records[me].eta
 
     first = look()
-    time.sleep(0.05)
+    net.sleep(0.05)
     assert look() == first  # waiting all along: ready since the first look
     assert alone.matchmaker is not None
     # a group of ours at this state formed in view 0 (closing it marked us busy) and did not commit
@@ -241,6 +240,6 @@ def test_a_look_that_forms_no_group_keeps_the_peers_readiness_time(net: FakeNetw
     assert moved > first and alone.matchmaker.views.floor == 1  # type: ignore[union-attr]
     assert look() == moved
     alone.transport.update_record(ready=False)  # busy at the same state (say, training after a refused state)
-    time.sleep(0.05)
+    net.sleep(0.05)
     again = look()
     assert again > moved and look() == again

@@ -118,7 +118,7 @@ def test_fifty_downloads_and_four_tricklers_against_one_donor() -> None:
     _fixed_mmap_threshold()
     blob, root = _state()
     layout = state_layout(SHAPES, ["w"])
-    with FakeNetwork() as net:
+    with FakeNetwork(virtual=False) as net:  # a real TCP data plane: its sockets move in real time
         donor = net.peer()
         plane = DataPlane(bind_host="127.0.0.1", advertise_hosts=["127.0.0.1"])
         net.call(plane.start(), timeout=5)

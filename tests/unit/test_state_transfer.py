@@ -73,7 +73,9 @@ class _Server(StateServer):
 
 @pytest.fixture(scope="module")
 def net() -> Iterator[FakeNetwork]:
-    with FakeNetwork() as n:
+    # Donors serve over real TCP sockets (a DataPlane on 127.0.0.1), which move in real time: these transfers and
+    # their deadlines run on the machine's clock, not the virtual one the round tests use.
+    with FakeNetwork(virtual=False) as n:
         yield n
 
 
