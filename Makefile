@@ -22,7 +22,7 @@ solo: install
 	$(BIN)/swarmloco peer --solo --preset tiny --max-steps 300 --workdir runs/solo --summary-json runs/solo/summary.json
 
 test: install
-	@echo "the whole suite, short chaos runs included: about 25 minutes on 2 cores (make test-fast: the unit tier, about 90 seconds)"
+	@echo "the whole suite, short chaos runs included: about 25 minutes on 2 cores (make test-fast: the unit tier, about 50 seconds)"
 	$(BIN)/python -m pytest -q
 
 test-fast: install
