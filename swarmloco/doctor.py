@@ -138,7 +138,8 @@ def _reachable(coordinator: str, cfg: Any, timeout: float) -> Check:
                                         "--client-mode, so others need not dial it")
     return Check("reachable", False, f"the coordinator could not connect to this machine on port {port} ({why}): "
                                      "behind NAT or a firewall",
-                 f"run with --client-mode, or --use-auto-relay to be reached through a relay, or forward TCP port "
+                 f"run with --client-mode (this peer then opens every connection itself: it takes part in rounds "
+                 f"but never leads one), or --use-auto-relay to be reached through a relay, or forward TCP port "
                  f"{port} here and "
                  f"pass --host-maddr /ip4/0.0.0.0/tcp/{port} --announce-maddr /ip4/PUBLIC_IP/tcp/{port}")
 

@@ -4,7 +4,8 @@ Every key lives under the run id. Each peer keeps one record, under its own subk
     swarmloco/<run_id>/peers  ->  {peer_id: PeerRecord}
 A record says which global round the peer holds (its hash and the certified work of its chain), whether it is ready
 to average that round and in which view of the round's schedule (`swarmloco.protocol.round.schedule`), and when it
-expects to be ready (so leaders can size the grace window; once ready, when it became ready). A record is a claim:
+expects to be ready (so leaders can size the grace window; once ready, when it became ready), and whether other
+peers can dial it (a peer behind NAT cannot lead a view: nobody could join it). A record is a claim:
 it is signed by its peer (swarmloco.protocol.trust.signed_records), and a state it names is adopted only with a
 commit certificate (swarmloco.protocol.chain.chain).
 """
@@ -17,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 MAX_VIEW = 2**20  # views of one round; at the capped view length, weeks
 MAX_CONFIG_JSON = 4096
 MAX_RECORD_TTL_S = 300.0  # a record lives at most this long past its signing: a silent peer drops out in minutes
@@ -62,6 +63,7 @@ class PeerRecord:
     view: int  # the view of round r this peer is in (meaningful while ready)
     eta: float  # unix time it expects to be ready (its last estimate)
     updated: float
+    reachable: bool = True  # others can dial it (False behind NAT): the transport stamps it, and only such peers lead
 
     def to_value(self) -> dict[str, Any]:
         return asdict(self)
@@ -93,7 +95,7 @@ class PeerRecord:
         floats_ok = all(
             isinstance(getattr(rec, k), (int, float)) and math.isfinite(getattr(rec, k)) for k in ("eta", "updated")
         )
-        if not (ints_ok and strs_ok and floats_ok and isinstance(rec.ready, bool)):
+        if not (ints_ok and strs_ok and floats_ok and isinstance(rec.ready, bool) and isinstance(rec.reachable, bool)):
             return None
         if not (0 <= rec.round < 2**40 and 0 <= rec.view <= MAX_VIEW and 0 <= rec.work < 2**62
                 and len(rec.config_json) <= MAX_CONFIG_JSON):

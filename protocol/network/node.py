@@ -51,6 +51,8 @@ class SwarmNode:
         self.p2p: P2P | None = None
         self.loop = uvloop.new_event_loop()  # roughly twice asyncio's stream throughput for the bulk tensors
         self.clock: Clock = SYSTEM
+        # behind NAT (client mode, or looking for relays): dialled by nobody, so it dials its pipes and never leads
+        self.reachable = not (net.client_mode or net.use_auto_relay)
         self._thread = threading.Thread(target=self._run_loop, name="swarm-loop", daemon=True)
         self._record: PeerRecord | None = None
         self._heartbeat: asyncio.Task[None] | None = None
@@ -182,6 +184,7 @@ class SwarmNode:
         return threading.current_thread() is self._thread
 
     def _apply_record(self, changes: dict[str, Any]) -> None:
+        changes = {**changes, "reachable": self.reachable}
         record = replace(self._record, **changes) if self._record is not None else PeerRecord(**changes)
         if record == self._record:
             return  # nothing new to tell (a leader re-states its member count on every poll); the heartbeat refreshes

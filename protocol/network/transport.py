@@ -32,6 +32,7 @@ class Transport(Protocol):
 
     loop: asyncio.AbstractEventLoop
     clock: Clock  # what deadlines and view ends are read from (`swarmloco.protocol.base.clock`)
+    reachable: bool  # whether other peers can dial this one; False behind NAT (--client-mode): see `update_record`
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Run `coro` on the transport's loop; thread-safe."""
@@ -54,7 +55,8 @@ class Transport(Protocol):
         ...
 
     def update_record(self, **changes: Any) -> None:
-        """Change fields of this peer's record (all fields, the first time) and publish it; thread-safe."""
+        """Change fields of this peer's record (all fields, the first time) and publish it; thread-safe. The
+        record's `reachable` is always the transport's own."""
         ...
 
     def own_record(self) -> PeerRecord | None:

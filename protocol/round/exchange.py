@@ -61,7 +61,7 @@ class MemberClaim:
     @classmethod
     def of(cls, header: pb.ContributionClaim) -> MemberClaim:
         return cls(int(header.tokens), int(header.round - header.base_round),
-                   Endpoint(tuple(header.data_addrs), header.data_token), float(header.bandwidth), header)
+                   claimed_endpoint(header), float(header.bandwidth), header)
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def claim_problem(header: pb.ContributionClaim, *, peer: str, ctx: ClaimContext)
                                  expect_numel=ctx.numel, max_staleness=ctx.max_staleness)
     if problem:
         return problem
-    if not endpoint_ok(Endpoint(tuple(header.data_addrs), header.data_token)):
+    if not endpoint_ok(claimed_endpoint(header)):
         return "malformed shard endpoint"
     if not 0 <= header.bandwidth < float("inf"):
         return f"bandwidth {header.bandwidth} is not a finite non-negative number"
@@ -107,6 +107,11 @@ def claim_problem(header: pb.ContributionClaim, *, peer: str, ctx: ClaimContext)
     if not signed(peer, claim_body(ctx.run_id, header), bytes(header.signature)):
         return "claim is not signed by its sender"
     return ""
+
+
+def claimed_endpoint(claim: pb.ContributionClaim) -> Endpoint:
+    """The shard endpoint a member's signed claim states."""
+    return Endpoint(tuple(claim.data_addrs), claim.data_token, bool(claim.dials_out))
 
 
 def plan_claims_problem(plan: Plan, *, ctx: ClaimContext, cfg: RoundConfig) -> str:
@@ -118,7 +123,7 @@ def plan_claims_problem(plan: Plan, *, ctx: ClaimContext, cfg: RoundConfig) -> s
         problem = claim_problem(claim, peer=peer, ctx=ctx)
         if problem:
             return f"claim of {short_id(peer)}: {problem}"
-        if Endpoint(tuple(claim.data_addrs), claim.data_token) != endpoint:
+        if claimed_endpoint(claim) != endpoint:
             return f"plan gives {short_id(peer)} another endpoint than it claimed"
     claimed = {p: MemberClaim.of(c) for p, c in zip(plan.members, plan.claims, strict=True)}
     claims = {p: (c.tokens, c.staleness) for p, c in claimed.items()}

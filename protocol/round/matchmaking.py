@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable, Collection
 
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
 from swarmloco.protocol.base.hooks import Hooks
@@ -109,7 +110,8 @@ class Matchmaker:
                 weights = self._weights()
                 views.see([r.eta for r in here.values() if r.ready], lookback_s=self.cfg.round_timeout_s)
                 decision = decide(me=me, views=views, here=here, seed=self.seed or state_hash,
-                                  schedule=self.schedule, now=self.clock.time(), eligible=weights.eligible)
+                                  schedule=self.schedule, now=self.clock.time(),
+                                  eligible=self._eligible(here, weights))
                 self.transport.update_record(view=decision.view)
                 if (decision.view, decision.leader) != last:
                     last = (decision.view, decision.leader)
@@ -157,6 +159,20 @@ class Matchmaker:
             views.floor = max(views.floor, self._formed[2] + 1)
         self.transport.update_record(ready=True, eta=views.ready_at, view=max(views.current, views.floor))
         return views
+
+    def _eligible(self, here: dict[str, PeerRecord], weights: Weights) -> Callable[[Collection[str]], Collection[str]]:
+        """Who may lead a view: never a peer behind NAT (its record, or our transport, says nobody can dial it, so
+        nobody could join it), unless every candidate is; among the rest, as `weights` decides. A peer that claims
+        to be unreachable only keeps itself from leading."""
+        unreachable = {p for p, r in here.items() if not r.reachable}
+        if not self.transport.reachable:
+            unreachable.add(self.transport.peer_id)
+
+        def eligible(peers: Collection[str]) -> Collection[str]:
+            dialable = [p for p in peers if p not in unreachable]
+            return weights.eligible(dialable or peers)
+
+        return eligible
 
     def _weights(self) -> Weights:
         """How we weigh the swarm now: by the newest authority checkpoint we hold, if any."""

@@ -1,11 +1,11 @@
 """The connections of a sharded round: one pipe per pair of contributors, and the routing of incoming ones.
 
-Each pair of contributors shares one connection, used in both directions: the member earlier in the plan dials the
-later one's TCP data plane, presenting the later one's round token (which only the group learnt, through the
-leader's authenticated plan) in a hello signed with the dialer's peer key, so the listener knows who dialled and
-nobody who read the token off the path can pose as a member; when that fails, it opens a libp2p stream to it
-instead. A pipe ends with a bye in each direction, so neither side closes while frames for the other are still in
-flight.
+Each pair of contributors shares one connection, used in both directions. The member earlier in the plan dials,
+unless only the later one is behind NAT, which then dials out (`Plan.dials`). The dialer connects to the other's TCP
+data plane, presenting the other's round token (which only the group learnt, through the leader's authenticated plan)
+in a hello signed with the dialer's peer key, so the listener knows who dialled and nobody who read the token off the
+path can pose as a member; when that fails, it opens a libp2p stream to it instead. A pipe ends with a bye in each
+direction, so neither side closes while frames for the other are still in flight.
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ class Pipe:
 
 
 class Inbox:
-    """This member's end of one round's shard connections: the pipes the members before it in the plan open."""
+    """This member's end of one round's shard connections: the pipes the other members open to it."""
 
     def __init__(self, round_number: int, token: str, *, max_pipes: int) -> None:
         self.round, self.token, self.max_pipes = round_number, token, max_pipes
@@ -144,7 +144,8 @@ class ShardRouter:
         return inbox
 
     def endpoint(self, inbox: Inbox) -> Endpoint:
-        return Endpoint(tuple(self.data_plane.addrs) if self.data_plane is not None else (), inbox.token)
+        addrs = tuple(self.data_plane.addrs) if self.data_plane is not None else ()
+        return Endpoint(addrs, inbox.token, dials_out=not self.transport.reachable)
 
     def close(self, inbox: Inbox) -> None:
         self._inboxes.pop(inbox.token, None)
@@ -195,13 +196,13 @@ class ShardRouter:
         return pipe
 
     async def open_pipes(self, plan: Plan, k: int, inbox: Inbox, *, timeout: float, use_tcp: bool) -> dict[str, Pipe]:
-        """A pipe to every other contributor of the plan, by peer, for member k: dialled to those after it, taken
-        from `inbox` for those before it. Raises RoundAborted, blaming one of them, when any pipe fails to open
-        within `timeout` (those that did open are closed)."""
+        """A pipe to every other contributor of the plan, by peer, for member k: dialled where `plan.dials` says we
+        open it, taken from `inbox` where the other does. Raises RoundAborted, blaming one of them, when any pipe
+        fails to open within `timeout` (those that did open are closed)."""
 
         async def one(i: int) -> tuple[str, Pipe]:
             peer = plan.members[i]
-            if i > k:
+            if plan.dials(k, i):
                 return peer, await self.dial(peer, plan.endpoints[i], plan.round, timeout=timeout, use_tcp=use_tcp)
             return peer, await inbox.pipe(peer, timeout=timeout)
 

@@ -28,6 +28,7 @@ MAX_FIELD_CHARS = 128  # an address or a token
 class Endpoint:
     addrs: tuple[str, ...]  # "host:port" of the member's TCP data plane (empty: libp2p only)
     token: str  # the member's secret for this round's shard connections
+    dials_out: bool = False  # nobody can dial the member (behind NAT): it opens each of its pipes itself
 
 
 @dataclass(frozen=True)
@@ -49,10 +50,18 @@ class Plan:
     def shard(self, i: int) -> slice:
         return slice(self.bounds[i], self.bounds[i + 1])
 
+    def dials(self, a: int, b: int) -> bool:
+        """Whether member a opens the pipe between members a and b. The earlier one in the plan does, unless only
+        the later one cannot be dialled (behind NAT): then that one dials out. Every member derives the same answer
+        from the plan. Two members behind NAT: the earlier tries, over libp2p, which may relay."""
+        lo, hi = min(a, b), max(a, b)
+        dialer = hi if self.endpoints[hi].dials_out and not self.endpoints[lo].dials_out else lo
+        return a == dialer
+
     def to_pb(self) -> pb.Plan:
         return pb.Plan(
             ok=True, round=self.round, members=self.members, weights=self.weights, bounds=self.bounds,
-            endpoints=[pb.Endpoint(addrs=e.addrs, token=e.token) for e in self.endpoints],
+            endpoints=[pb.Endpoint(addrs=e.addrs, token=e.token, dials_out=e.dials_out) for e in self.endpoints],
             excluded=list(self.excluded), excluded_reasons=list(self.excluded.values()), codec=self.codec,
             numel=self.numel, prev_hash=self.prev_hash, swarm=self.swarm, work=self.work, claims=self.claims,
             signature=self.signature,
@@ -63,7 +72,8 @@ class Plan:
         return cls(
             round=int(msg.round), members=tuple(msg.members), weights=tuple(int(w) for w in msg.weights),
             bounds=tuple(int(b) for b in msg.bounds),
-            endpoints=tuple(Endpoint(tuple(e.addrs), e.token) for e in msg.endpoints), codec=msg.codec,
+            endpoints=tuple(Endpoint(tuple(e.addrs), e.token, bool(e.dials_out)) for e in msg.endpoints),
+            codec=msg.codec,
             numel=int(msg.numel), prev_hash=msg.prev_hash, swarm=int(msg.swarm), work=int(msg.work),
             excluded=dict(zip(msg.excluded, msg.excluded_reasons, strict=False)), claims=tuple(msg.claims),
             signature=bytes(msg.signature),

@@ -108,7 +108,7 @@ async def reduce_shards(plan: Plan, delta: torch.Tensor, *, me: str, codec: Code
     if delta.numel() != plan.numel:
         raise RoundAborted(f"our Δ has {delta.numel()} elements, the plan {plan.numel}")
     k = plan.members.index(me)
-    inbox.expect(set(plan.members[:k]))
+    inbox.expect({p for i, p in enumerate(plan.members) if i != k and plan.dials(i, k)})
     loop = asyncio.get_running_loop()
     pipes: dict[str, Pipe] = {}
     failed: dict[str, str] = {}  # reducers whose shard we lacked: first-hand, whatever the leader decided

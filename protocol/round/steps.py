@@ -132,7 +132,8 @@ class RoundSteps:
         base = max(0, group.round - staleness)
         claim = pb.ContributionClaim(
             tokens=tokens, codec=self.codec.name, numel=numel, data_addrs=endpoint.addrs,
-            data_token=endpoint.token, bandwidth=self.bandwidth, round=group.round, prev_hash=prev.state_hash,
+            data_token=endpoint.token, dials_out=endpoint.dials_out, bandwidth=self.bandwidth, round=group.round,
+            prev_hash=prev.state_hash,
             leader=group.leader, base_round=base, base_hash=self.history.get(base, prev.state_hash),
             audit_commit=commit)
         claim.signature = self.credentials.identity.sign(claim_body(self.transport.run_id, claim))

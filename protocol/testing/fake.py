@@ -70,6 +70,7 @@ class FakeNetwork:
         self.records: dict[str, PeerRecord] = {}
         self.handlers: dict[tuple[str, str], StreamHandler] = {}
         self.dead: set[str] = set()
+        self.unreachable: set[str] = set()  # peers behind NAT
         self.visible: dict[str, set[str]] = {}  # peer -> the peers whose records it can see (absent: all)
         self._ends: list[_PipeEnd] = []
         self._tasks: set[asyncio.Task[None]] = set()
@@ -108,9 +109,13 @@ class FakeNetwork:
             return DrivingPool(self.virtual, workers)
         return concurrent.futures.ThreadPoolExecutor(workers)
 
-    def peer(self, *, run_id: str = "fake-run") -> FakeTransport:
-        """A new peer with a real Ed25519 identity (its peer id is the key's), so it signs like a real one."""
-        return FakeTransport(self, Identity(path=Path("<memory>"), private_key=Identity.generate()), run_id)
+    def peer(self, *, run_id: str = "fake-run", reachable: bool = True) -> FakeTransport:
+        """A new peer with a real Ed25519 identity (its peer id is the key's), so it signs like a real one.
+        `reachable=False`: behind NAT; it opens streams, and nobody can open one to it."""
+        transport = FakeTransport(self, Identity(path=Path("<memory>"), private_key=Identity.generate()), run_id)
+        transport.reachable = reachable
+        self.unreachable |= set() if reachable else {transport.peer_id}
+        return transport
 
     def partition(self, *groups: set[str]) -> None:
         """Each peer sees only the records of its own group (and streams still connect: it is a view split)."""
@@ -168,6 +173,8 @@ class FakeNetwork:
         handler = self.handlers.get((callee, name))
         if handler is None or callee in self.dead or caller in self.dead:
             raise ConnectionRefusedError(f"{callee} does not serve {name}")
+        if callee in self.unreachable:
+            raise ConnectionRefusedError(f"{callee} is behind NAT: nobody can dial it")
         to_callee, to_caller = asyncio.StreamReader(), asyncio.StreamReader()
         caller_end, callee_end = _PipeEnd(self, caller, to_callee), _PipeEnd(self, callee, to_caller)
         caller_end.other, callee_end.other = callee_end, caller_end
@@ -191,6 +198,7 @@ class FakeTransport:
         self.credentials = Credentials(identity)  # no ticket: fake peers form a private swarm unless a test says so
         self.loop = net.loop
         self.clock = net.clock
+        self.reachable = True  # False: behind NAT, as `FakeNetwork.peer(reachable=False)` makes it
 
     @property
     def peer_id(self) -> str:
@@ -222,7 +230,8 @@ class FakeTransport:
             if self._peer_id in self.net.dead:
                 return
             old = self.net.records.get(self._peer_id)
-            self.net.records[self._peer_id] = replace(old, **changes) if old is not None else PeerRecord(**changes)
+            stamped = {**changes, "reachable": self.reachable}
+            self.net.records[self._peer_id] = replace(old, **stamped) if old is not None else PeerRecord(**stamped)
 
         if threading.current_thread() is self.net._thread:
             apply()

@@ -51,7 +51,7 @@ def _body(kind: str, *fields: bytes | str | int | float | Sequence[float] | Sequ
 
 def claim_body(run_id: str, c: pb.ContributionClaim) -> bytes:
     return _body("claim", run_id, c.round, c.prev_hash, c.leader, c.tokens, c.codec, c.numel, c.base_round,
-                 c.base_hash, list(c.data_addrs), c.data_token, float(c.bandwidth), c.audit_commit)
+                 c.base_hash, list(c.data_addrs), c.data_token, float(c.bandwidth), c.audit_commit, c.dials_out)
 
 
 def plan_digest(plan: pb.Plan) -> bytes:

@@ -8,6 +8,7 @@ between it (10.79.N.254) and a LAN (192.168.N.0/24) with iptables MASQUERADE; th
 the volunteer's machine. Needs root and iptables (CI installs it); every namespace and process is removed after."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _coordinator_helpers import ROOT, child_env, descendants, stop_sessions
+from _coordinator_helpers import ROOT, child_env, descendants, run_config, stop_sessions
 
 pytestmark = [
     pytest.mark.integration, pytest.mark.timeout(300),
@@ -71,20 +72,22 @@ def nat() -> Iterator[None]:
 def coordinator(nat: None, tmp_path: Path) -> Iterator[dict[str, Any]]:
     ready = tmp_path / "ready.json"
     baseline = set(descendants(os.getpid()))
+    (tmp_path / "run.toml").write_text(run_config(inner_steps=10, seed=5))
     with open(tmp_path / "coordinator.log", "ab") as log:
         proc = subprocess.Popen(
             ["ip", "netns", "exec", PUB, sys.executable, "-m", "swarmloco.cli", "coordinator", "--db",
              str(tmp_path / "c.sqlite"), "--host", PUB_IP, "--port", "0", "--dht-host", PUB_IP, "--ready-file",
-             str(ready), "--run-id", "natrun", "--invite-code", "nat-code"],
+             str(ready), "--run-id", "natrun", "--invite-code", "nat-code", "--run-config", str(tmp_path / "run.toml")],
             cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    procs = [proc]
     try:
         deadline = time.monotonic() + 90
         while not ready.exists():
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "coordinator.log").read_text()
             time.sleep(0.1)
-        yield json.loads(ready.read_text())
+        yield {**json.loads(ready.read_text()), "procs": procs}
     finally:
-        stop_sessions([proc], baseline)
+        stop_sessions(procs, baseline)
 
 
 def _doctor(ns: str, url: str, workdir: Path, *extra: str) -> tuple[int, dict[str, Any]]:
@@ -117,3 +120,42 @@ def test_doctor_behind_nat_says_unreachable_and_what_to_do(coordinator: dict[str
     assert code == 0 and report["ok"], report  # dialled by nobody, so it need not be reachable
     code, report = _doctor(PUB, url, tmp_path / "pub")
     assert code == 0 and report["ok"], report  # the same checks on the public side pass
+
+
+def _peer(ns: str, host: str, url: str, root: Path, i: int, *extra: str) -> subprocess.Popen[bytes]:
+    workdir = root / f"peer-{i}"
+    with open(root / f"peer-{i}.log", "ab") as log:
+        return subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, "-m", "swarmloco.cli", "peer", "--join", url, "--invite",
+             "nat-code", "--workdir", str(workdir), "--batch-size", "4", "--threads", "1", "--host-maddr",
+             f"/ip4/{host}/tcp/0", "--log-format", "json", "--eval-every", "1", "--checkpoint-every", "0",
+             "--wait-for-peers", "2", "--summary-json", str(workdir / "summary.json"), "--shard-index", str(i),
+             "--num-shards", "2", "--max-rounds", "3", *extra],
+            cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def test_a_peer_behind_nat_commits_rounds_with_a_public_one(coordinator: dict[str, Any], tmp_path: Path) -> None:
+    url = coordinator["url"]
+    peers = [_peer(PUB, PUB_IP, url, tmp_path, 0), _peer(LAN, LAN_IP, url, tmp_path, 1, "--client-mode")]
+    coordinator["procs"].extend(peers)
+    for i, p in enumerate(peers):
+        assert p.wait(240) == 0, (tmp_path / f"peer-{i}.log").read_text()[-4000:]
+    summaries = [json.loads((tmp_path / f"peer-{i}" / "summary.json").read_text()) for i in range(2)]
+    assert all(s["rounds"] == 3 for s in summaries) and len({s["state_hash"] for s in summaries}) == 1, summaries
+    natted = summaries[1]["peer_id"]
+    rounds = [e for e in _events(tmp_path / "peer-1.log") if e.get("event") == "round"]
+    committed = [e for e in rounds if e["outcome"] == "committed"]
+    assert len(committed) == 3 and all(natted in e["members"] for e in committed), rounds
+    # nobody can dial it, so it never leads, and it opens its pipe itself: straight to the public peer's TCP port
+    assert all(e["leader"] != natted and e["role"] == "member" for e in rounds), rounds
+    assert all(e["pipes"] == 1 and e["direct"] == 1 for e in committed), committed
+
+
+def _events(log: Path) -> list[dict[str, Any]]:
+    out = []
+    for line in log.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            event = json.loads(line)
+            if isinstance(event, dict):
+                out.append(event)
+    return out
