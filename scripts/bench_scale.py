@@ -2,7 +2,8 @@
 
 For each N, the local swarm launcher (`swarmloco swarm`, tiny preset, no coordinator) runs N real peer processes
 for a few rounds. Each committed round's overhead is split from the peers' JSON logs into matchmaking (ready until
-the group closed: `wait_s`), exchange (until the average arrived: `exchange_s`) and commit (votes and certificate:
+the group closed: `wait_s`; and `formation_s`, the least of the members' waits: from the last member's readiness to
+the close), exchange (until the average arrived: `exchange_s`) and commit (votes and certificate:
 `certify_s`), each the median over the round's members, then over rounds. Memory is the launcher's peak PSS of the
 whole swarm (fork server included) divided by N, and the largest single peer tree's RSS.
 
@@ -75,19 +76,26 @@ def summarise(by_round: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
             "round": number,
             "members": max(int(e.get("member_count") or 0) for e in events),
             "committed_at": min(float(e["time"]) for e in events),
+            # the last member to become ready waited least: from then until the group closed is what forming the
+            # group cost once everyone it needed was there (the rest of the others' waits was their training)
+            "formation_s": min((p[0] for p in phases if p[0] is not None), default=None),
             **{name: median([p[i] for p in phases if p[i] is not None])
                for i, name in enumerate(("matchmaking_s", "exchange_s", "commit_s"))},
         })
     gaps = [b["committed_at"] - a["committed_at"] for a, b in zip(rounds, rounds[1:], strict=False)]
     out: dict[str, Any] = {"rounds": rounds, "round_s": median(gaps) if gaps else None,
                            "members": [r["members"] for r in rounds]}
-    for name in ("matchmaking_s", "exchange_s", "commit_s"):
+    for name in ("matchmaking_s", "exchange_s", "commit_s", "formation_s"):
         out[name] = median([r[name] for r in rounds if r[name] is not None])
     parts = [out[n] for n in ("matchmaking_s", "exchange_s", "commit_s")]
     out["overhead_s"] = sum(parts) if all(p is not None for p in parts) else None
     # the issue's measure of matchmaking at scale: its share of a round's time (target: at most 0.1)
     mm, per_round = out["matchmaking_s"], out["round_s"]
     out["matchmaking_share"] = round(mm / per_round, 3) if mm is not None and per_round else None
+    # the same, counting only the wait after the group's last member was ready (on a shared machine most of a
+    # member's wait is the slowest peer's training, which no protocol can shorten)
+    form = out["formation_s"]
+    out["formation_share"] = round(form / per_round, 3) if form is not None and per_round else None
     return out
 
 
@@ -142,8 +150,8 @@ def _row(r: dict[str, Any], cores: int, base: dict[str, Any] | None) -> list[Any
     r["growth"], r["growth_over_log2"] = growth, log_ratio
     members = "/".join(str(m) for m in r.get("members", [])) or None
     mem = r.get("memory", {})
-    return [n, members, r.get("round_s"), r.get("matchmaking_s"), r.get("matchmaking_share"), r.get("exchange_s"),
-            r.get("commit_s"),
+    return [n, members, r.get("round_s"), r.get("matchmaking_s"), r.get("matchmaking_share"), r.get("formation_s"),
+            r.get("formation_share"), r.get("exchange_s"), r.get("commit_s"),
             r.get("overhead_s"), share, norm, growth, log_ratio, mem.get("per_peer_pss_mb"),
             mem.get("peak_peer_tree_rss_mb"), r.get("note", "")]
 
@@ -163,14 +171,15 @@ def run(args: argparse.Namespace) -> int:
     base = next((r for r in results if r.get("overhead_s")), None)
     rows = [_row(r, cores, base) for r in results]
     print(table(f"Round overhead and memory vs peers ({cores} cores, tiny preset, {args.codec}, {args.spawn})",
-                ["peers", "members per round", "s per round", "matchmaking s", "matchmaking share", "exchange s",
-                 "commit s",
+                ["peers", "members per round", "s per round", "matchmaking s", "matchmaking share", "formation s",
+                 "formation share", "exchange s", "commit s",
                  "overhead s", "CPU share", "overhead × share s", "growth", "growth ÷ log2 growth",
                  "PSS per peer MB", "max peer tree RSS MB", "note"], rows,
                 [f"{rounds} rounds of H={inner} per swarm, median over each round's members, then over rounds; "
                  "s per round: between consecutive commits (the first round includes start-up and is not in it)",
                  "overhead = matchmaking (ready → group closed, includes the grace window) + exchange + commit; "
-                 "matchmaking share = matchmaking s ÷ s per round",
+                 "matchmaking share = matchmaking s ÷ s per round; formation s: the round's least member wait (from "
+                 "its last member's readiness to the close), its share likewise",
                  f"CPU share = min(1, {cores} cores / peers); growth = (overhead × share) ÷ the same at "
                  f"{base['peers'] if base else '—'} peers; ÷ log2 growth: growth ÷ (log2 N ÷ log2 N₀), ≤ 1 is "
                  "no faster than log(peers)",

@@ -147,6 +147,7 @@ def test_scale_quick(tmp_path: Path) -> None:
     assert entry["peers"] == 2 and not entry.get("note"), entry
     assert entry["members"] == [2] and positive(entry["overhead_s"]), entry
     assert "matchmaking_share" in entry  # None with one round: it needs the time between two commits
+    assert "formation_share" in entry and 0 <= entry["formation_s"] <= entry["matchmaking_s"], entry
     assert positive(entry["memory"]["per_peer_pss_mb"]), entry["memory"]
 
 
