@@ -2,7 +2,8 @@
 1 and from 3 donors, against the time to move the same bytes over plain TCP on loopback (one sender per donor).
 
 The baseline is measured now (`scripts.bench_net.socket_seconds`: sender and receiver processes, timed from "all
-connected, go" until the receiver holds every byte). Ours calls `bench_hooks.join_seconds(preset, donors)`
+connected, go" until the receiver holds every byte), twice: into a small reused buffer, and into one fresh buffer of the
+state's size, which a joiner cannot avoid (its pages are mapped on first touch). Ours calls `bench_hooks.join_seconds(preset, donors)`
 lazily: seconds from the joiner's first state request to holding a hash-verified state; null when missing.
 """
 from __future__ import annotations
@@ -55,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     rows, notes, results = [], [], {}
     for donors in donor_counts:
         sock = [socket_seconds(nbytes, streams=donors, timeout=args.timeout) for _ in range(reps)]
+        fresh = [socket_seconds(nbytes, streams=donors, timeout=args.timeout, keep=True) for _ in range(reps)]
         ours, why = (
             (None, "skipped in --quick") if args.quick and donors > 1 else ours_join(preset, donors, reps, args.timeout)
         )
@@ -67,10 +69,13 @@ def run(args: argparse.Namespace) -> int:
             "socket_s": sock_s,
             "socket_all_s": sock,
             "socket_mib_s": nbytes / sock_s / 2**20,
+            "socket_fresh_s": median(fresh),
+            "socket_fresh_all_s": fresh,
             "ours_s": median(ours),
             "ours_note": why or None,
         }
         entry["ours_vs_socket"] = ratio(entry["ours_s"], entry["socket_s"])
+        entry["ours_vs_fresh_socket"] = ratio(entry["ours_s"], entry["socket_fresh_s"])
         results[str(donors)] = entry
         rows.append(
             [
@@ -80,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
                 entry["socket_mib_s"],
                 "not available" if why == NOT_AVAILABLE else entry["ours_s"],
                 entry["ours_vs_socket"],
+                entry["socket_fresh_s"],
+                entry["ours_vs_fresh_socket"],
             ]
         )
     if any(n.endswith(NOT_AVAILABLE) for n in notes):
@@ -88,12 +95,15 @@ def run(args: argparse.Namespace) -> int:
         f"preset {preset}: {params:,} parameters; state = fp32 θ + fp32 outer momentum = {nbytes:,} bytes",
         "plain socket: one TCP connection per donor on 127.0.0.1, each sending 1/donors of the bytes; "
         f"median of {reps}",
+        "fresh socket: the same, landing the bytes in one newly allocated buffer of the state's size (a joiner keeps "
+        "what it receives) instead of reusing a small one; it verifies nothing",
         "ours = bench_hooks.join_seconds: first request → hash-verified state held by the joiner",
     ]
     print(
         table(
             "join: fetching the global state, seconds",
-            ["donors", "MiB", "plain socket s", "socket MiB/s", "ours s", "ours/socket"],
+            ["donors", "MiB", "plain socket s", "socket MiB/s", "ours s", "ours/socket", "fresh socket s",
+             "ours/fresh socket"],
             rows,
             notes,
         )

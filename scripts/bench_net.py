@@ -48,8 +48,10 @@ class Netns:
         return ["ip", "netns", "exec", self.name]
 
 
-def _receiver(host: str, streams: int, nbytes: int) -> None:
-    """Listen, accept `streams` connections, send each a go byte, receive nbytes in total; print JSON."""
+def _receiver(host: str, streams: int, nbytes: int, keep: bool = False) -> None:
+    """Listen, accept `streams` connections, send each a go byte, receive nbytes in total; print JSON. `keep`: land
+    the bytes in one freshly allocated buffer of nbytes (each stream in its own slice, in order), as a joiner must
+    keep a state, instead of reusing one small cache-hot buffer; the allocation is timed too."""
     import threading
 
     with socket.socket() as srv:
@@ -60,18 +62,25 @@ def _receiver(host: str, streams: int, nbytes: int) -> None:
         srv.settimeout(60)
         conns = [srv.accept()[0] for _ in range(streams)]
     received = [0] * streams
+    width = -(-nbytes // streams)  # the largest share (accept order need not be the senders' order)
+    blob: list[memoryview] = []
 
     def pull(i: int) -> None:  # each sender shuts down its side after its share: read to EOF
-        buf = memoryview(bytearray(CHUNK))
+        if keep:
+            buf = blob[0][i * width:(i + 1) * width]
+        else:
+            buf = memoryview(bytearray(CHUNK))
         conns[i].settimeout(120)
         while True:
-            n = conns[i].recv_into(buf)
+            n = conns[i].recv_into(buf[received[i]:] if keep else buf)
             if n == 0:
                 break
             received[i] += n
 
     threads = [threading.Thread(target=pull, args=(i,)) for i in range(streams)]
     start = time.perf_counter()
+    if keep:
+        blob.append(memoryview(bytearray(width * streams)))  # zeroed pages mapped on first touch, as a fresh blob's
     for c in conns:
         c.sendall(b"g")
     for t in threads:
@@ -100,14 +109,15 @@ def _sender(host: str, port: int, nbytes: int) -> None:
 
 
 def socket_seconds(nbytes: int, *, streams: int = 1, host: str = "127.0.0.1", receiver_prefix: Sequence[str] = (),
-                   sender_prefixes: Sequence[Sequence[str]] = (), timeout: float = 300) -> float:
-    """Seconds to move nbytes (split over `streams` senders) to one receiver over plain TCP."""
+                   sender_prefixes: Sequence[Sequence[str]] = (), timeout: float = 300, keep: bool = False) -> float:
+    """Seconds to move nbytes (split over `streams` senders) to one receiver over plain TCP. `keep`: the receiver
+    lands them in one fresh buffer of nbytes instead of a small reused one."""
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     me = [sys.executable, "-m", "scripts.bench_net"]
     procs: list[subprocess.Popen[Any]] = []
     try:
         recv = subprocess.Popen(
-            [*receiver_prefix, *me, "recv", host, str(streams), str(nbytes)],
+            [*receiver_prefix, *me, "recv", host, str(streams), str(nbytes), *(["--keep"] if keep else [])],
             stdout=subprocess.PIPE,
             text=True,
             env=env,
@@ -216,13 +226,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("host", help="address to listen on")
     r.add_argument("streams", type=int, help="number of sender connections")
     r.add_argument("nbytes", type=int, help="total bytes to receive")
+    r.add_argument("--keep", action="store_true", help="land the bytes in one fresh buffer of nbytes")
     s = sub.add_parser("send", help="send")
     s.add_argument("host", help="receiver address")
     s.add_argument("port", type=int, help="receiver port")
     s.add_argument("nbytes", type=int, help="bytes to send")
     args = p.parse_args(argv)
     if args.role == "recv":
-        _receiver(args.host, args.streams, args.nbytes)
+        _receiver(args.host, args.streams, args.nbytes, args.keep)
     else:
         _sender(args.host, args.port, args.nbytes)
     return 0

@@ -112,7 +112,7 @@ def test_comm_quick(tmp_path: Path) -> None:
 def test_join_quick(tmp_path: Path) -> None:
     _, data = run_bench(["join"], tmp_path, 120)
     for entry in data["results"].values():
-        assert positive(entry["socket_s"]) and positive(entry["socket_mib_s"])
+        assert positive(entry["socket_s"]) and positive(entry["socket_mib_s"]) and positive(entry["socket_fresh_s"])
         assert none_or_positive(entry["ours_s"])
 
 
