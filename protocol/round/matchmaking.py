@@ -161,16 +161,17 @@ class Matchmaker:
         return views
 
     def _eligible(self, here: dict[str, PeerRecord], weights: Weights) -> Callable[[Collection[str]], Collection[str]]:
-        """Who may lead a view: never a peer behind NAT (its record, or our transport, says nobody can dial it, so
-        nobody could join it), unless every candidate is; among the rest, as `weights` decides. A peer that claims
-        to be unreachable only keeps itself from leading."""
+        """Who may lead a view: those `weights` allows (the senior peers, where a checkpoint names some), and among
+        them never a peer behind NAT (its record, or our transport, says nobody can dial it, so nobody could join
+        it), unless each of them is. A peer that claims to be unreachable only keeps itself from leading; claiming
+        it never lets a probationer lead in a senior's place."""
         unreachable = {p for p, r in here.items() if not r.reachable}
         if not self.transport.reachable:
             unreachable.add(self.transport.peer_id)
 
         def eligible(peers: Collection[str]) -> Collection[str]:
-            dialable = [p for p in peers if p not in unreachable]
-            return weights.eligible(dialable or peers)
+            allowed = weights.eligible(peers)
+            return [p for p in allowed if p not in unreachable] or allowed
 
         return eligible
 

@@ -3,10 +3,12 @@ opens each of its shard pipes itself. The in-memory transport refuses every stre
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
+from types import SimpleNamespace
 
 import pytest
 from _fake_rounds import H0, announce, averager_for, whole_round
+from _records import rec
 
 from swarmloco.protocol.base.outcome import Outcome
 from swarmloco.protocol.round import plans
@@ -82,3 +84,21 @@ def test_who_dials_whom() -> None:
     p = plan(False, True, False)
     assert [[p.dials(a, b) for b in range(3) if b != a] for a in range(3)] == [[False, True], [True, True],
                                                                                [False, False]]
+
+
+def test_being_dialable_never_outranks_seniority() -> None:
+    """The NAT rule narrows the leaders `weights` allows; it never widens them: where the only senior candidate is
+    behind NAT, it still leads rather than a dialable probationer (who may be one of a stranger's free identities)."""
+
+    class Seniors:
+        @staticmethod
+        def eligible(peers: Collection[str]) -> Collection[str]:
+            return [p for p in peers if p.startswith("senior")] or peers
+
+    me = SimpleNamespace(transport=SimpleNamespace(reachable=True, peer_id="me"))
+    here = {"senior-nat": rec(reachable=False), "senior-pub": rec(), "sybil": rec(), "sybil-nat": rec(reachable=False)}
+    eligible = Matchmaker._eligible(me, here, Seniors())  # type: ignore[arg-type]
+    assert list(eligible(["senior-nat", "sybil", "senior-pub"])) == ["senior-pub"]
+    assert list(eligible(["senior-nat", "sybil"])) == ["senior-nat"]
+    assert list(eligible(["sybil-nat", "sybil", "me"])) == ["sybil", "me"]
+    assert list(eligible(["sybil-nat"])) == ["sybil-nat"]  # nobody dialable: someone must lead
