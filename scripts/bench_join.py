@@ -2,9 +2,10 @@
 1 and from 3 donors, against the time to move the same bytes over plain TCP on loopback (one sender per donor).
 
 The baseline is measured now (`scripts.bench_net.socket_seconds`: sender and receiver processes, timed from "all
-connected, go" until the receiver holds every byte), twice: into a small reused buffer, and into one fresh buffer of the
-state's size, which a joiner cannot avoid (its pages are mapped on first touch). Ours calls `bench_hooks.join_seconds(preset, donors)`
-lazily: seconds from the joiner's first state request to holding a hash-verified state; null when missing.
+connected, go" until the receiver holds every byte), twice: into a small reused buffer, and into one fresh buffer
+of the state's size, which a joiner cannot avoid (its pages are mapped on first touch). Ours calls
+`bench_hooks.join_seconds(preset, donors)` lazily: seconds from the joiner's first state request to holding a
+hash-verified state; null when missing.
 """
 from __future__ import annotations
 

@@ -10,7 +10,9 @@ whole swarm (fork server included) divided by N, and the largest single peer tre
 All N peers share this machine's cores, so at large N every peer gets cores / N of a core and every phase slows by
 that alone. "× CPU share" multiplies the overhead by min(1, cores / N): the overhead a peer would see on a machine
 of its own if the round's cost were pure CPU. Its growth from the smallest N, divided by the growth of log2(N), is
-the number to watch: at or below 1, the round scales no faster than log(peers).
+the number to watch: at or below 1, the round scales no faster than log(peers). For the same reason peers wait for
+their group idle here (`--no-train-while-waiting`, unless `--train-while-waiting`): 32 waiting peers training on 2
+shared cores would starve the matchmaking of all of them, which peers on machines of their own do not do.
 """
 from __future__ import annotations
 
@@ -41,6 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=1800, help="seconds allowed per swarm")
     p.add_argument("--spawn", choices=("fork", "exec"), default="fork", help="how the launcher starts peers")
     p.add_argument("--workdir", default=None, help="keep the swarms' logs here (default: a temporary directory)")
+    p.add_argument("--train-while-waiting", action="store_true",
+                   help="let peers train while their group forms, as they do by default (here all N share these "
+                        "cores, so every waiting peer's training slows everyone's matchmaking; on machines of their "
+                        "own it would not): off by default")
 
 
 def round_events(workdir: Path) -> dict[int, list[dict[str, Any]]]:
@@ -117,6 +123,8 @@ def run_swarm(n: int, args: argparse.Namespace, workdir: Path, *, rounds: int, i
             "--rounds", str(rounds), "--inner-steps", str(inner_steps), "--codec", args.codec,
             "--no-coordinator", "--workdir", str(workdir), "--summary-json", str(summary_path),
             "--timeout", str(args.timeout), "--spawn", args.spawn, "--run-id", f"scale-{n}"]
+    if not args.train_while_waiting:
+        argv.append("--peer-arg=--no-train-while-waiting")
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     started, timed_out = time.monotonic(), False
     with open(workdir.parent / f"launcher-{n}.log", "wb") as log:
@@ -170,7 +178,9 @@ def run(args: argparse.Namespace) -> int:
         results.append(run_swarm(n, args, workdir, rounds=rounds, inner_steps=inner))
     base = next((r for r in results if r.get("overhead_s")), None)
     rows = [_row(r, cores, base) for r in results]
-    print(table(f"Round overhead and memory vs peers ({cores} cores, tiny preset, {args.codec}, {args.spawn})",
+    waiting = "train while waiting" if args.train_while_waiting else "idle while waiting"
+    print(table(f"Round overhead and memory vs peers ({cores} cores, tiny preset, {args.codec}, {args.spawn}, "
+                f"{waiting})",
                 ["peers", "members per round", "s per round", "matchmaking s", "matchmaking share", "formation s",
                  "formation share", "exchange s", "commit s",
                  "overhead s", "CPU share", "overhead × share s", "growth", "growth ÷ log2 growth",
@@ -186,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
                  "PSS per peer: peak PSS of the whole swarm (fork server included) ÷ peers; RSS double-counts "
                  "shared pages"]))
     write_json(args.json, {"benchmark": "scale", "cores": cores, "rounds": rounds, "inner_steps": inner,
+                           "train_while_waiting": bool(args.train_while_waiting),
                            "results": results, "workdir": str(root) if keep else None})
     if not keep:
         shutil.rmtree(root, ignore_errors=True)
