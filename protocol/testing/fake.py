@@ -93,14 +93,12 @@ class FakeNetwork:
             time.sleep(seconds)
 
     def until(self, condition: Callable[[], bool], timeout: float) -> bool:
-        """Let the peers run until `condition()` holds (True) or `timeout` passes (False)."""
-        if self.virtual is not None:
-            return self.virtual.until(condition, timeout)
-        deadline = time.monotonic() + timeout
+        """Let the peers run until `condition()` holds (True) or `timeout` passes (False), looking every 10 ms."""
+        deadline = self.clock.monotonic() + timeout
         while not condition():
-            if time.monotonic() >= deadline:
+            if self.clock.monotonic() >= deadline:
                 return False
-            time.sleep(0.01)
+            self.sleep(0.01)
         return True
 
     def pool(self, workers: int) -> concurrent.futures.Executor:
@@ -113,8 +111,8 @@ class FakeNetwork:
         """A new peer with a real Ed25519 identity (its peer id is the key's), so it signs like a real one.
         `reachable=False`: behind NAT; it opens streams, and nobody can open one to it."""
         transport = FakeTransport(self, Identity(path=Path("<memory>"), private_key=Identity.generate()), run_id)
-        transport.reachable = reachable
-        self.unreachable |= set() if reachable else {transport.peer_id}
+        if not reachable:
+            self.unreachable.add(transport.peer_id)
         return transport
 
     def partition(self, *groups: set[str]) -> None:
@@ -198,7 +196,6 @@ class FakeTransport:
         self.credentials = Credentials(identity)  # no ticket: fake peers form a private swarm unless a test says so
         self.loop = net.loop
         self.clock = net.clock
-        self.reachable = True  # False: behind NAT, as `FakeNetwork.peer(reachable=False)` makes it
 
     @property
     def peer_id(self) -> str:
@@ -207,6 +204,11 @@ class FakeTransport:
     @property
     def run_id(self) -> str:
         return self._run_id
+
+    @property
+    def reachable(self) -> bool:
+        """False behind NAT (`FakeNetwork.peer(reachable=False)`): the network refuses every stream opened to us."""
+        return self._peer_id not in self.net.unreachable
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return self.net.submit(coro)

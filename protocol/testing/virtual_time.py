@@ -136,15 +136,6 @@ class VirtualClock:
         """Let `seconds` of virtual time pass (the peers run meanwhile)."""
         self.wait(concurrent.futures.Future(), seconds)
 
-    def until(self, condition: Callable[[], bool], timeout: float, *, poll: float = 0.01) -> bool:
-        """Sleep in virtual steps of `poll` until `condition()` holds (True) or `timeout` passes (False)."""
-        deadline = self._now + timeout
-        while not condition():
-            if self._now >= deadline:
-                return False
-            self.sleep(poll)
-        return True
-
 
 def _nothing() -> None:
     pass
