@@ -160,13 +160,16 @@ def run_coordinator(root: Path, run_config: str, *extra: str) -> Iterator[dict[s
         stop_sessions(procs, baseline)
 
 
-def join_peer(url: str, root: Path, i: int, n: int, *extra: str) -> subprocess.Popen[bytes]:
-    """`swarmloco peer --join URL` as peer i of n, in root/peer-i (log: root/peer-i.log, JSON events)."""
+def join_peer(url: str, root: Path, i: int, n: int, *extra: str, invite: str = "let-me-in", host: str = "127.0.0.1",
+              netns: str | None = None) -> subprocess.Popen[bytes]:
+    """`swarmloco peer --join URL` as peer i of n, in root/peer-i (log: root/peer-i.log, JSON events), listening
+    on `host`; `netns`: inside that network namespace (root only)."""
     workdir = root / f"peer-{i}"
+    prefix = ["ip", "netns", "exec", netns] if netns else []
     with open(root / f"peer-{i}.log", "ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "swarmloco.cli", "peer", "--join", url, "--invite", "let-me-in",
-             "--workdir", str(workdir), "--batch-size", "4", "--threads", "1", "--host-maddr", "/ip4/127.0.0.1/tcp/0",
+            [*prefix, sys.executable, "-m", "swarmloco.cli", "peer", "--join", url, "--invite", invite,
+             "--workdir", str(workdir), "--batch-size", "4", "--threads", "1", "--host-maddr", f"/ip4/{host}/tcp/0",
              "--log-format", "json", "--eval-every", "1", "--checkpoint-every", "0", "--wait-for-peers", str(n),
              "--summary-json", str(workdir / "summary.json"), "--shard-index", str(i), "--num-shards", str(n),
              *extra],

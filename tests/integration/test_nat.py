@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _coordinator_helpers import ROOT, child_env, descendants, run_config, stop_sessions
+from _coordinator_helpers import ROOT, child_env, descendants, join_peer, run_config, stop_sessions
 
 pytestmark = [
     pytest.mark.integration, pytest.mark.timeout(300),
@@ -122,21 +122,11 @@ def test_doctor_behind_nat_says_unreachable_and_what_to_do(coordinator: dict[str
     assert code == 0 and report["ok"], report  # the same checks on the public side pass
 
 
-def _peer(ns: str, host: str, url: str, root: Path, i: int, *extra: str) -> subprocess.Popen[bytes]:
-    workdir = root / f"peer-{i}"
-    with open(root / f"peer-{i}.log", "ab") as log:
-        return subprocess.Popen(
-            ["ip", "netns", "exec", ns, sys.executable, "-m", "swarmloco.cli", "peer", "--join", url, "--invite",
-             "nat-code", "--workdir", str(workdir), "--batch-size", "4", "--threads", "1", "--host-maddr",
-             f"/ip4/{host}/tcp/0", "--log-format", "json", "--eval-every", "1", "--checkpoint-every", "0",
-             "--wait-for-peers", "2", "--summary-json", str(workdir / "summary.json"), "--shard-index", str(i),
-             "--num-shards", "2", "--max-rounds", "3", *extra],
-            cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
 def test_a_peer_behind_nat_commits_rounds_with_a_public_one(coordinator: dict[str, Any], tmp_path: Path) -> None:
     url = coordinator["url"]
-    peers = [_peer(PUB, PUB_IP, url, tmp_path, 0), _peer(LAN, LAN_IP, url, tmp_path, 1, "--client-mode")]
+    peers = [join_peer(url, tmp_path, 0, 2, "--max-rounds", "3", invite="nat-code", host=PUB_IP, netns=PUB),
+             join_peer(url, tmp_path, 1, 2, "--max-rounds", "3", "--client-mode", invite="nat-code", host=LAN_IP,
+                       netns=LAN)]
     coordinator["procs"].extend(peers)
     for i, p in enumerate(peers):
         assert p.wait(240) == 0, (tmp_path / f"peer-{i}.log").read_text()[-4000:]
