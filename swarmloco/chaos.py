@@ -28,9 +28,9 @@ from swarmloco.chaos_net import NetnsError, SplitNet
 from swarmloco.chaos_report import (
     ProcSampler,
     agreed_rounds,
+    agreement,
     final_hash,
     is_running,
-    newest_state,
     run_notes,
     summary_fields,
     token_curve,
@@ -271,21 +271,18 @@ class ChaosRun:
         finally:
             driver.close(self)
 
-    def settle(self) -> bool:
-        """Wait until every live peer holds the same newest state (and a round committed after the last fault)."""
+    def settle(self) -> dict[str, str] | None:
+        """Wait (at most --settle s) until the live peers agree (`agreement`); their short hashes then, or None."""
         deadline = time.monotonic() + self.cfg.settle_s
         last_fault = self.t0 + (self.faults[-1]["t"] if self.faults else 0.0)
         while time.monotonic() < deadline:
             for p in self.peers.values():
                 p.read_events()
-            states = {newest_state(p) for p in self.peers.values() if p.alive()}
-            after = any(e.get("event") == "round" and e.get("outcome") == "committed"
-                        and float(e.get("time", 0)) > last_fault for p in self.peers.values() for e in p.events)
-            if len(states) == 1 and None not in states and after:
-                return True
+            if (agreed := agreement({n: p for n, p in self.peers.items() if p.alive()}, last_fault)) is not None:
+                return agreed
             self.sample()
             time.sleep(1.0)
-        return False
+        return None
 
     def stop(self) -> None:
         """Every process this run started, by the session created for it (peers: with their DHT child and p2pd)."""
@@ -341,11 +338,11 @@ def run_chaos_config(cfg: ChaosConfig) -> dict[str, Any]:
     if previous is not None:
         logger.info("%s holds an earlier run: moved it to %s", cfg.workdir, previous)
     run = ChaosRun(cfg, scenario)
-    error, settled, stopped_at = None, False, time.time()
+    error, agreed, stopped_at = None, None, time.time()
     try:
         run.start()
         run.drive()
-        settled = run.settle()
+        agreed = run.settle()
     except (TimeoutError, RuntimeError, NetnsError, KeyboardInterrupt) as exc:
         error = repr(exc)
         logger.error("chaos run failed: %s", error)
@@ -354,12 +351,14 @@ def run_chaos_config(cfg: ChaosConfig) -> dict[str, Any]:
         run.stop()
     left = run.orphans()
     fields = summary_fields(run.peers, run.t0, stopped_at)
-    live = {name: final_hash(p, run.t0) for name, p in run.peers.items()}
+    at_exit = {name: final_hash(p, run.t0) for name, p in run.peers.items()}
+    live = {**at_exit, **(agreed or {})}  # the agreed state where the run settled; else each peer's state at exit
     result: dict[str, Any] = {
         "scenario": cfg.scenario, "quick": cfg.quick, "peers": cfg.peers, "duration_s": cfg.duration_s,
         "quorum": cfg.quorum or max(2, cfg.peers // 2 + 1), "round_timeout_s": cfg.round_timeout, **fields,
-        "settled": settled, "final_hashes": live, "one_final_hash": len(set(live.values())) == 1 and None not in
-        live.values(), "orphans": len(left), "orphan_cmdlines": [cmdline(pid) for pid in left], "faults": run.faults,
+        "settled": agreed is not None, "final_hashes": live, "exit_hashes": at_exit,
+        "one_final_hash": len(set(live.values())) == 1 and None not in live.values(), "orphans": len(left),
+        "orphan_cmdlines": [cmdline(pid) for pid in left], "faults": run.faults,
         "restarts": {name: p.restarts for name, p in run.peers.items()}, "per_peer": run.sampler.to_dict(),
         "error": error, "notes": run_notes(cfg.scenario, fields),
     }

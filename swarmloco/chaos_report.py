@@ -135,6 +135,21 @@ def newest_state(p: PeerProc) -> tuple[int, str] | None:
     return best
 
 
+def agreement(live: dict[str, PeerProc], since: float) -> dict[str, str] | None:
+    """Each live peer's short hash if they all hold one newest state and some peer committed a round after `since`
+    (the last fault), else None.
+
+    A chaos run compares the peers' states at this moment, not the summaries they write when stopped: a round in
+    flight at SIGTERM may commit on the members that received its results and not on the others, so their states at
+    exit can differ although the swarm agreed."""
+    states = {name: newest_state(p) for name, p in live.items()}
+    after = any(e.get("event") == "round" and e.get("outcome") == "committed" and float(e.get("time", 0)) > since
+                for p in live.values() for e in p.events)
+    if not after or None in states.values() or len(set(states.values())) != 1:
+        return None
+    return {name: state[1] for name, state in states.items() if state is not None}
+
+
 def final_hash(p: PeerProc, since: float) -> str | None:
     """The state a peer ended on: its summary's hash when it wrote one in this run, else its newest from events."""
     import json
