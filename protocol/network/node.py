@@ -57,6 +57,7 @@ class SwarmNode:
         self._record: PeerRecord | None = None
         self._heartbeat: asyncio.Task[None] | None = None
         self._handlers: list[str] = []
+        self._closing = threading.Event()  # set by shutdown: DHT calls in flight stop waiting for their answers
 
     # --- lifecycle ------------------------------------------------------------------------------------------------
     def start(self, *, timeout: float = 120.0) -> None:
@@ -95,6 +96,7 @@ class SwarmNode:
         return asyncio.create_task(self._heartbeat_loop())
 
     def shutdown(self, *, timeout: float = 15.0) -> None:
+        self._closing.set()
         if self._thread.is_alive():
             try:
                 self.call(self._async_shutdown(), timeout=timeout)
@@ -197,15 +199,10 @@ class SwarmNode:
             return
         expiration = get_dht_time() + self.net.record_ttl_s
         value = seal(self.credentials.identity, self.net.run_id, record, self.credentials.ticket.decode(), expiration)
-        loop = asyncio.get_running_loop()
         try:
-            # return_future + a bounded result(): a store in flight when the DHT stops must not hang this thread
-            stored = await loop.run_in_executor(
-                None,
-                lambda: dht.store(
-                    peers_key(self.net.run_id), value, expiration, subkey=self.peer_id, return_future=True
-                ).result(timeout=self.net.record_ttl_s),
-            )
+            stored = await self._dht_call(lambda: dht.store(
+                peers_key(self.net.run_id), value, expiration, subkey=self.peer_id, return_future=True),
+                self.net.record_ttl_s)
         except Exception as exc:  # the DHT may be briefly unreachable; the heartbeat retries
             stored = False
             logger.debug("storing our DHT record: %r", exc)
@@ -219,6 +216,22 @@ class SwarmNode:
             # Others stop seeing us once the last stored copy expires: say so instead of failing silently.
             logger.warning("the DHT refused or lost our record %d time(s) in a row; retrying every %.1fs",
                            self.store_failures, self.net.heartbeat_s)
+
+    async def _dht_call(self, start: Any, timeout: float) -> Any:
+        """The result of `start()`, a DHT call that returns a future, waited for on an executor thread for at most
+        `timeout` s. The thread looks every quarter second whether the node is shutting down: a call the stopped DHT
+        will never answer must not hold the process for its whole timeout, since the interpreter joins executor
+        threads at exit."""
+        def wait() -> Any:
+            future, deadline = start(), time.monotonic() + timeout
+            while True:
+                try:
+                    return future.result(timeout=max(0.0, min(0.25, deadline - time.monotonic())))
+                except concurrent.futures.TimeoutError:
+                    if self._closing.is_set() or time.monotonic() >= deadline:
+                        raise
+
+        return await asyncio.get_running_loop().run_in_executor(None, wait)
 
     async def _heartbeat_loop(self) -> None:
         last_revocations = -REVOCATIONS_EVERY_S
@@ -248,10 +261,8 @@ class SwarmNode:
     async def _authority_value(self, key: str, what: str) -> Any:
         """The value the run's authority stored under `key` (its own subkey), or None; the caller verifies it."""
         dht, authority = self.dht, self.gate.authority
-        loop = asyncio.get_running_loop()
         try:
-            found = await loop.run_in_executor(None, lambda: dht.get(
-                key, latest=True, return_future=True).result(timeout=10))
+            found = await self._dht_call(lambda: dht.get(key, latest=True, return_future=True), 10.0)
         except Exception as exc:  # looked up again on the next heartbeat
             logger.debug("reading %s: %r", what, exc)
             return None
@@ -262,12 +273,8 @@ class SwarmNode:
         """Every other admitted peer's live record of this run, signed by that peer (anything else is dropped)."""
         dht = self.dht
         assert dht is not None
-        loop = asyncio.get_running_loop()
         found = await asyncio.wait_for(
-            loop.run_in_executor(
-                None,
-                lambda: dht.get(peers_key(self.net.run_id), latest=True, return_future=True).result(timeout=timeout),
-            ),
+            self._dht_call(lambda: dht.get(peers_key(self.net.run_id), latest=True, return_future=True), timeout),
             timeout + 1,
         )
         records: dict[str, PeerRecord] = {}

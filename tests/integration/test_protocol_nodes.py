@@ -2,6 +2,7 @@
 records. State downloads from real nodes are in tests/integration/test_state_transfer_nodes.py."""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import time
 from pathlib import Path
@@ -128,3 +129,34 @@ def _wait(predicate: Any, what: str, timeout: float = 30) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.25)
+
+
+class _Unanswered(concurrent.futures.Future):  # type: ignore[type-arg]
+    """A DHT answer that never comes; counts the threads waiting on it."""
+
+    waiting = 0
+
+    def result(self, timeout: float | None = None) -> Any:
+        self.waiting += 1
+        try:
+            return super().result(timeout)
+        finally:
+            self.waiting -= 1
+
+
+def test_a_dht_call_the_stopped_dht_never_answers_does_not_hold_the_process_at_exit(tmp_path: Path) -> None:
+    """A record store or lookup in flight when the node shuts down waits on an executor thread, which the interpreter
+    joins at exit: the wait must end with the shutdown, not after its own timeout (a peer took 20 s to exit on
+    SIGTERM this way)."""
+    node = _node(tmp_path, "a", run_id="exit")
+    never = _Unanswered()
+    node.submit(node._dht_call(lambda: never, 120.0))
+    deadline = time.monotonic() + 10
+    while not never.waiting and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert never.waiting == 1
+    node.shutdown()
+    deadline = time.monotonic() + 10
+    while never.waiting and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert never.waiting == 0, "an executor thread still waits on the DHT call after shutdown"
