@@ -226,7 +226,7 @@ class Scenario:
     make: Callable[[bool, int], Any]  # (quick, seed) -> a Driver
     peers: int = 4
     duration_s: float = 180.0
-    quick_duration_s: float = 40.0
+    quick_duration_s: float = 20.0  # --quick: long enough for a few rounds around each fault
     coordinator: bool = False
     split: bool = False  # each peer in a network namespace of its own, so links can be cut (needs root)
     faults: tuple[tuple[int, str], ...] = ()  # (peer index, SWARMLOCO_FAULTS spec): hostile peers of the scenario
@@ -236,10 +236,10 @@ SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
         Scenario(name="steady", help="no faults (the baseline)", make=lambda quick, seed: Steady()),
-        Scenario(name="churn-30s", help="SIGKILL a random peer every 30 s (8 s with --quick) and restart it",
-                 make=lambda quick, seed: Churn(every_s=8.0 if quick else 30.0, seed=seed)),
+        Scenario(name="churn-30s", help="SIGKILL a random peer every 30 s (6 s with --quick) and restart it",
+                 make=lambda quick, seed: Churn(every_s=6.0 if quick else 30.0, seed=seed)),
         Scenario(name="sigstop-leader", help="SIGSTOP the current round's leader for two round timeouts",
-                 make=lambda quick, seed: SigstopLeader(at_s=3.0 if quick else 20.0), quick_duration_s=45.0),
+                 make=lambda quick, seed: SigstopLeader(at_s=3.0 if quick else 20.0), quick_duration_s=36.0),
         Scenario(name="burners", help="two CPU burner processes beside the peers", make=lambda quick, seed: Burners()),
         Scenario(name="leader-staller", help="one peer that, in every view it leads, accepts members and never closes",
                  make=lambda quick, seed: Steady(), faults=((0, "lead=hold@*"),)),
@@ -247,10 +247,10 @@ SCENARIOS: dict[str, Scenario] = {
                  make=lambda quick, seed: Steady(), faults=((3, "reduce=withhold@*"),)),
         Scenario(name="silent-claimants", help="three admitted peers claim a far newer state and never answer",
                  make=lambda quick, seed: SilentClaimants()),
-        Scenario(name="partition-2-2", help="cut the links between two halves of the swarm for 60 s (20 s with "
+        Scenario(name="partition-2-2", help="cut the links between two halves of the swarm for 60 s (12 s with "
                  "--quick), then heal; needs root", make=lambda quick, seed: Partition(
-                     at_s=8.0 if quick else 30.0, for_s=20.0 if quick else 60.0),
-                 split=True, duration_s=150.0, quick_duration_s=45.0),
+                     at_s=5.0 if quick else 30.0, for_s=12.0 if quick else 60.0),
+                 split=True, duration_s=150.0, quick_duration_s=25.0),
         Scenario(name="coordinator-restart", help="kill the coordinator mid-run, restart it on the same db and port",
                  make=lambda quick, seed: CoordinatorRestart(at_s=10.0 if quick else 60.0), coordinator=True),
     )
