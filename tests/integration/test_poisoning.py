@@ -31,7 +31,8 @@ def _run(swarm: Swarm, *, faults: str = "", extra: tuple[str, ...] = (), rounds:
     peer its committed rounds, last eval loss, exit code and the round events."""
     ids = swarm.identities(4)
     for name, (_, identity) in zip(HONEST, ids[:3], strict=True):
-        swarm.start(name, *extra, identity=identity, rounds=rounds, quorum=3, wait_for=4)
+        # evaluated once, at the last round: the loss this module compares
+        swarm.start(name, *extra, "--eval-every", str(rounds), identity=identity, rounds=rounds, quorum=3, wait_for=4)
     swarm.start("x", *extra, identity=ids[3][1], faults=faults, rounds=rounds + 3, quorum=3, wait_for=4)
     # the honest peers stop after `rounds`; the hostile one (banned, alone) is stopped by the fixture
     swarm.wait_for(lambda: all(swarm.peers[n].proc.poll() is not None for n in HONEST), 420, "the honest peers")

@@ -19,6 +19,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
 def _finite_losses(swarm: Swarm, name: str) -> None:
+    """The final state's eval loss (in the summary), and any per-round one the peer logged, are finite."""
+    assert math.isfinite(swarm.summary(name)["final_eval_loss"]), swarm.summary(name)
     for e in swarm.events(name, "round"):
         if "eval_loss" in e:
             assert math.isfinite(e["eval_loss"]), e
