@@ -63,7 +63,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--summary-json", "run", "summary_json", "write a JSON summary of the run to this path at the end"),
     Option("--log-format", "run", "log_format", "progress output: text (live bar) or json (one object per line)"),
     Option("--slowdown", "run", "slowdown", "artificial slowdown factor (>=1) to emulate slower hardware"),
-    Option("--linger", "run", "linger_s", "swarm: seconds to keep serving state after the last round"),
+    Option("--linger", "run", "linger_s", "swarm: seconds to keep serving state after the last round (with "
+           "--wait-for-peers N: until all N peers are at this round, at most this long)"),
     Option("--coordinator", "run", "coordinator", "coordinator URL to report progress to (optional)"),
     Option("--join", "run", "join", "join the run a coordinator URL, a manifest URL or a manifest file describes: "
            "it fixes the run id, authority, bootstrap addresses and the settings every peer shares"),

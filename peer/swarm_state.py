@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -13,7 +15,7 @@ import torch
 from swarmloco.peer.replica import Replica
 from swarmloco.peer.run_model import fingerprint_config
 from swarmloco.protocol.base.hashing import StateLayout, pack_state, state_hash, state_layout, unpack_state
-from swarmloco.protocol.base.records import fingerprint
+from swarmloco.protocol.base.records import PeerRecord, fingerprint
 from swarmloco.protocol.chain.config import FetchConfig
 from swarmloco.protocol.chain.forks import Behind
 from swarmloco.protocol.chain.state_sync import StateSyncError, download_state
@@ -144,3 +146,25 @@ def fetch_state(node: Transport, target: Behind, replica: Replica, *, fingerprin
     except (StateSyncError, concurrent.futures.TimeoutError) as exc:
         logger.warning("re-sync to round %d failed: %s", target.round, exc)
         return None
+
+
+def linger_for_peers(seconds: float, *, round_: int, wanted: int, read: Callable[[], dict[str, PeerRecord]],
+           stop: threading.Event, poll_s: float = 1.0) -> None:
+    """Keep serving our state (the caller's node stays up) for up to `seconds` after our last round, for peers that
+    are still catching up.
+
+    A peer told to wait for `wanted` peers (2 or more) at the start belongs to a swarm of known size: it leaves early
+    once that many peers, itself included, are visible at its round or later and no compatible record is behind it.
+    Otherwise (`wanted` < 2: a donor kept up for joiners that may come later) it stays the whole time. `read`
+    returns the other peers' compatible records ({} when the read failed); records are self-reported, but a wrong
+    one can at most keep us the full `seconds` or let us leave a laggard that the others still serve."""
+    deadline = time.monotonic() + seconds
+    while not stop.wait(max(0.0, min(poll_s, deadline - time.monotonic()))) and time.monotonic() < deadline:
+        if wanted >= 2 and caught_up(read(), round_=round_, wanted=wanted):
+            return
+
+
+def caught_up(records: Mapping[str, PeerRecord], *, round_: int, wanted: int) -> bool:
+    """Whether `wanted` peers (us included) are at round `round_` or later and none is behind it."""
+    rounds = [r.round for r in records.values()]
+    return all(r >= round_ for r in rounds) and 1 + len(rounds) >= wanted

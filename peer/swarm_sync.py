@@ -30,6 +30,7 @@ from swarmloco.peer.swarm_state import (
     fetch_state,
     flatten,
     genesis_hash,
+    linger_for_peers,
     local_model,
     parse_blob,
     rebase,
@@ -60,7 +61,7 @@ RECORDS_TIMEOUT_S = 30.0
 
 
 class IncompatibleSwarm(RuntimeError):
-    pass
+    """The swarm's records show peers this one cannot average with (another protocol version or model)."""
 
 
 class SwarmSync:
@@ -80,8 +81,7 @@ class SwarmSync:
         self.head: Head | None = None
         self.refused: tuple[int, str] | None = None  # the last state we downloaded and refused to adopt
         self._peek: concurrent.futures.Future[tuple[dict[str, PeerRecord], Behind | None]] | None = None
-        self._peeked_at = 0.0
-        self._last_eta = 0.0
+        self._peeked_at = self._last_eta = 0.0
         self._measured_hello = False
 
     # --- start-up -------------------------------------------------------------------------------------------------
@@ -375,10 +375,10 @@ class SwarmSync:
 
     # --- the end --------------------------------------------------------------------------------------------------
     def finish(self, loop: TrainingLoop) -> None:
-        linger = self.cfg.run.linger_s
-        if linger and not loop.stop:
+        if (linger := self.cfg.run.linger_s) and not loop.stop:
             loop.progress.event("linger", seconds=linger, round=loop.replica.round)
-            loop.stop.event.wait(linger)  # keep serving our state to peers that are catching up
+            linger_for_peers(linger, round_=loop.replica.round, wanted=self.cfg.run.wait_for_peers,
+                             stop=loop.stop.event, read=lambda: compatible(self.others(), self.model.fingerprint))
 
     def summary(self, loop: TrainingLoop) -> dict[str, Any]:
         return {"peer_id": self.node.peer_id, "resyncs": self.reports.resyncs, "bytes_sent": self.bytes_sent,
