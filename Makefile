@@ -21,9 +21,13 @@ demo: install
 solo: install
 	$(BIN)/swarmloco peer --solo --preset tiny --max-steps 300 --workdir runs/solo --summary-json runs/solo/summary.json
 
+# Two test processes: most integration tests spend part of their time waiting on timeouts and exits, and the other
+# process's test fills those gaps. More than two would only queue the peers' training on a 2-core machine.
+TEST_WORKERS ?= 2
+
 test: install
-	@echo "the whole suite, short chaos runs included: about 25 minutes on 2 cores (make test-fast: the unit tier, about 50 seconds)"
-	$(BIN)/python -m pytest -q
+	@echo "the whole suite, short chaos runs included, $(TEST_WORKERS) tests at a time: about 15 minutes on 2 cores (make test-fast: the unit tier, about 50 seconds)"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 test-fast: install
 	$(BIN)/python -m pytest -q tests/unit
@@ -33,7 +37,7 @@ bench-smoke: install
 	$(BIN)/python -m pytest -q -m bench_smoke tests/integration/test_bench_quick.py
 
 chaos-smoke: install
-	@echo "short chaos runs (churn, burners, SIGSTOP of a leader, a staller, silent claimants, a partition as root), also in make test: about 7 minutes"
+	@echo "short chaos runs (churn, burners, SIGSTOP of a leader, a staller, silent claimants, a partition as root), also in make test: about 5 minutes"
 	$(BIN)/python -m pytest -q -m chaos tests/integration/test_chaos.py
 
 clean:
