@@ -149,15 +149,15 @@ def fetch_state(node: Transport, target: Behind, replica: Replica, *, fingerprin
 
 
 def linger_for_peers(seconds: float, *, round_: int, wanted: int, read: Callable[[], dict[str, PeerRecord]],
-           stop: threading.Event, poll_s: float = 1.0) -> None:
+                     stop: threading.Event, poll_s: float = 1.0) -> None:
     """Keep serving our state (the caller's node stays up) for up to `seconds` after our last round, for peers that
     are still catching up.
 
     A peer told to wait for `wanted` peers (2 or more) at the start belongs to a swarm of known size: it leaves early
     once that many peers, itself included, are visible at its round or later and no compatible record is behind it.
     Otherwise (`wanted` < 2: a donor kept up for joiners that may come later) it stays the whole time. `read`
-    returns the other peers' compatible records ({} when the read failed); records are self-reported, but a wrong
-    one can at most keep us the full `seconds` or let us leave a laggard that the others still serve."""
+    returns the other peers' compatible records ({} when the read failed). Records are self-reported: a false one
+    can at most keep us the full `seconds`, or make us leave early, as a crash would."""
     deadline = time.monotonic() + seconds
     while not stop.wait(max(0.0, min(poll_s, deadline - time.monotonic()))) and time.monotonic() < deadline:
         if wanted >= 2 and caught_up(read(), round_=round_, wanted=wanted):
