@@ -132,11 +132,12 @@ def _wait(predicate: Any, what: str, timeout: float = 30) -> None:
 
 
 class _Unanswered(concurrent.futures.Future):  # type: ignore[type-arg]
-    """A DHT answer that never comes; counts the threads waiting on it."""
+    """A DHT answer that never comes; counts the waits on it, and the threads waiting now."""
 
-    waiting = 0
+    calls = waiting = 0
 
     def result(self, timeout: float | None = None) -> Any:
+        self.calls += 1
         self.waiting += 1
         try:
             return super().result(timeout)
@@ -151,12 +152,9 @@ def test_a_dht_call_the_stopped_dht_never_answers_does_not_hold_the_process_at_e
     node = _node(tmp_path, "a", run_id="exit")
     never = _Unanswered()
     node.submit(node._dht_call(lambda: never, 120.0))
-    deadline = time.monotonic() + 10
-    while not never.waiting and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert never.waiting == 1
+    _wait(lambda: never.waiting == 1, "an executor thread waiting on the DHT call", timeout=10)
     node.shutdown()
-    deadline = time.monotonic() + 10
-    while never.waiting and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert never.waiting == 0, "an executor thread still waits on the DHT call after shutdown"
+    _wait(lambda: never.waiting == 0, "the wait on the DHT call to end after shutdown", timeout=10)
+    calls = never.calls
+    time.sleep(1.0)  # ended for good: nobody waits on it again
+    assert never.waiting == 0 and never.calls == calls, (never.waiting, never.calls - calls)
