@@ -41,11 +41,12 @@ from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
 from swarmloco.protocol.base.codecs import Codec, CodecError
 from swarmloco.protocol.base.text import bounded, short_id
 from swarmloco.protocol.base.wire import WireError, frame_bytes
-from swarmloco.protocol.round.credit import clip_scales, gradient_dot_matches, gradient_dots
+from swarmloco.protocol.round.credit import clip_scales, gradient_dot_matches
 from swarmloco.protocol.round.groups import RoundAborted
 from swarmloco.protocol.round.pipes import Pipe
 from swarmloco.protocol.round.plans import Plan
-from swarmloco.protocol.round.robust import combination_ok, norm, sketch_matches, sketches
+from swarmloco.protocol.round.probes import sketches
+from swarmloco.protocol.round.robust import combination_ok, norm, sketch_matches
 from swarmloco.protocol.trust.identity import Identity
 from swarmloco.protocol.trust.payloads import (
     commitment,
@@ -61,8 +62,8 @@ from swarmloco.protocol.trust.payloads import (
 )
 
 M = TypeVar("M", bound=Message)
-# Each shard's sketches are independent (their own probe generators), and torch's draws and float64 dots release the
-# GIL: a member sketches its shards on up to this many cores at once.
+# Each shard's sketches are independent (their own probes), and BLAKE3 and torch's float64 dots release the GIL: a
+# member sketches its shards on up to this many cores at once.
 _SKETCH = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="swarmloco-sketch")
 
 
@@ -209,11 +210,7 @@ class _Gradient:
 def _sketch(seed: bytes, j: int, probes: int, grad: _Gradient | None,
             tensors: list[torch.Tensor]) -> list[list[float]]:
     """Each tensor's values for shard j: the random probes, then <g_j, x> when the round scores contributions."""
-    out = sketches(seed, j, probes, tensors)
-    if grad is not None:
-        for values, dot in zip(out, gradient_dots(grad.shards[j], tensors), strict=True):
-            values.append(dot)
-    return out
+    return sketches(seed, j, probes, tensors, extra=None if grad is None else grad.shards[j])
 
 
 def _part_matches(claimed: list[float], ours: list[float], part: torch.Tensor, j: int, probes: int,

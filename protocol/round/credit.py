@@ -28,12 +28,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-import torch
-
 from swarmloco.protocol.round.config import RoundConfig
 from swarmloco.protocol.round.exchange import MemberClaim
 from swarmloco.protocol.round.plans import Plan
-from swarmloco.protocol.round.robust import PROBE_CHUNK, float64_dots
 from swarmloco.protocol.round.rules import token_weights
 from swarmloco.protocol.trust.certificates import Head
 
@@ -83,12 +80,6 @@ def clip_scales(norms: Sequence[float], coeffs: Sequence[float], tau: float) -> 
     """The robust rule's scale of each part of one shard, read back from its signed header: 1 when kept whole,
     tau / norm when clipped, 0 when rejected (a zero coefficient)."""
     return [0.0 if c == 0 else tau / n if 0 < tau < n else 1.0 for n, c in zip(norms, coeffs, strict=True)]
-
-
-def gradient_dots(g: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[float]:
-    """<g, x> for each x (all of g's length), in float64 like the audit's random probes."""
-    return float64_dots(((start, g[start : start + PROBE_CHUNK]) for start in range(0, g.numel(), PROBE_CHUNK)),
-                        tensors)
 
 
 def gradient_dot_matches(claimed: float, ours: float, *, g_norm: float, part_norm: float, size: int) -> bool:

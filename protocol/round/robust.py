@@ -23,16 +23,14 @@ nobody else can check. Whether the result is that combination of those exact par
 """
 from __future__ import annotations
 
-import hashlib
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from swarmloco.protocol.base.codecs import BLOCK, Codec
 from swarmloco.protocol.round.config import Rule
 
-PROBE_CHUNK = 1 << 20  # elements per chunk of a probe (4 MiB of fp32)
 NORM_RTOL = 1e-5  # a reducer's reported norm of our part vs ours (float64 sums of the same decoded values)
 
 
@@ -102,46 +100,12 @@ def within_bound(result_norm: float, coeffs: Sequence[float], norms: Sequence[fl
     return result_norm <= bound * (1 + 1e-5) + rounding + 1e-30
 
 
-def probe_seed(seed: bytes, shard: int, probe: int) -> int:
-    return int.from_bytes(hashlib.sha256(seed + f"/{shard}/{probe}".encode()).digest()[:8], "little") >> 1
-
-
-def float64_dots(chunks: Iterable[tuple[int, torch.Tensor]], tensors: Sequence[torch.Tensor]) -> list[float]:
-    """For each tensor x: Σ over `chunks` (start, c) of <c, x[start : start + len(c)]>, products and sums in
-    float64. Each chunk is widened once and dotted with every tensor's matching slice, widened in turn: two peers'
-    dots of the same values differ only by summation order. (Summing float32 products with `sum(dtype=float64)`
-    gives the same numbers at about 5× the cost: the widening reduction does not vectorise.)"""
-    out = [0.0] * len(tensors)
-    wide = other = torch.empty(0, dtype=torch.float64)
-    for start, chunk in chunks:
-        n = chunk.numel()
-        if wide.numel() < n:
-            wide, other = torch.empty(n, dtype=torch.float64), torch.empty(n, dtype=torch.float64)
-        w = wide[:n].copy_(chunk)
-        for i, x in enumerate(tensors):
-            out[i] += float(torch.dot(w, other[:n].copy_(x[start : start + n])))
-    return out
-
-
-def sketches(seed: bytes, shard: int, probes: int, tensors: Sequence[torch.Tensor]) -> list[list[float]]:
-    """For each tensor x (all of one shard's length): [<R_p, x> for p in range(probes)], R_p standard normal from
-    (seed, shard, p), drawn (float32) a chunk at a time and dotted in float64 (`float64_dots`)."""
-    size = tensors[0].numel()
-    out = [[0.0] * probes for _ in tensors]
-    for p in range(probes):
-        gen = torch.Generator().manual_seed(probe_seed(seed, shard, p))
-        draws = ((start, torch.randn(min(PROBE_CHUNK, size - start), generator=gen))
-                 for start in range(0, size, PROBE_CHUNK))
-        for values, dot in zip(out, float64_dots(draws, tensors), strict=True):
-            values[p] = dot
-    return out
-
-
 def combination_ok(result_sketch: Sequence[float], coeffs: Sequence[float], part_sketches: Sequence[Sequence[float]],
                    norms: Sequence[float], rounding: float) -> bool:
-    """<R, result> = Σ c_i <R, x_i> for every probe, within the codec's rounding (a Gaussian probe of an error e is
-    N(0, ||e||²): 7 standard deviations) and the float32 rounding of the reducer's sum (about (N + 1) ulps of each
-    term, with room to spare)."""
+    """<R, result> = Σ c_i <R, x_i> for every probe, within the codec's rounding and the float32 rounding of the
+    reducer's sum (about (N + 1) ulps of each term, with room to spare). A probe of an error e is strictly
+    sub-Gaussian with variance ||e||² (`swarmloco.protocol.round.probes`), so 7 standard deviations of the codec's
+    rounding bound are exceeded by an honest reducer with probability below 1e-10."""
     float_slack = 1e-6 * (len(coeffs) + 8) * sum(abs(c) * n for c, n in zip(coeffs, norms, strict=True))
     slack = 7 * rounding + float_slack + 1e-30
     for p, got in enumerate(result_sketch):
