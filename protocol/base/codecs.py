@@ -93,7 +93,7 @@ class Codec:
             if view.readonly:
                 view = memoryview(bytearray(view))
             t = torch.frombuffer(view, dtype=torch.float32, count=numel)
-            if not _all_finite(t):
+            if not all_finite(t):
                 raise CodecError("fp32: NaN or Inf in tensor")
             return t
         out = torch.empty(numel)
@@ -137,7 +137,7 @@ class Codec:
             view = memoryview(bytearray(view))
         if self.name in _FLOATS:
             src = torch.frombuffer(view, dtype=_FLOATS[self.name], count=numel)
-            if not _all_finite(src):
+            if not all_finite(src):
                 raise CodecError(f"{self.name}: NaN or Inf in tensor")
             if weight is None:
                 out.copy_(src)
@@ -159,7 +159,7 @@ def _check_out(out: torch.Tensor, numel: int) -> None:
                          f"{tuple(out.shape)} on {out.device}")
 
 
-def _all_finite(t: torch.Tensor) -> bool:
+def all_finite(t: torch.Tensor) -> bool:
     """True iff no element is NaN or ±Inf: min and max propagate NaN and expose ±Inf, and one fused reduction is
     as cheap as a sum (and exact, unlike the sum, which can overflow)."""
     lo, hi = torch.aminmax(t)

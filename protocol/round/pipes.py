@@ -51,9 +51,12 @@ class Pipe:
             await write_frame(self.writer, header, payload, timeout=timeout)
         return frame_bytes(header, len(payload))
 
-    async def recv(self, header_type: type[M], *, max_payload: int, timeout: float) -> tuple[M, bytearray]:
+    async def recv(self, header_type: type[M], *, max_payload: int, timeout: float,
+                   into: memoryview | None = None) -> tuple[M, bytearray | memoryview]:
+        """One frame. With `into`, a TCP pipe reads the payload straight into the start of it (and refuses one
+        longer); a libp2p stream returns its own buffer either way."""
         if self.conn is not None:
-            return await self.conn.recv_frame(header_type, max_payload=max_payload, timeout=timeout)
+            return await self.conn.recv_frame(header_type, max_payload=max_payload, timeout=timeout, into=into)
         assert self.reader is not None
         return await read_frame(self.reader, header_type, max_payload=max_payload, timeout=timeout)
 

@@ -105,8 +105,9 @@ def own_as_decoded(plan: Plan, k: int, own: torch.Tensor, codec: Codec,
     return tuple(out)
 
 
-def check_result(plan: Plan, i: int, header: pb.ShardResult, body: bytearray, *, me: str, members: tuple[str, ...],
-                 own_part: torch.Tensor, codec: Codec, rule: Rule, keys: RoundKeys) -> ResultCheck:
+def check_result(plan: Plan, i: int, header: pb.ShardResult, body: bytearray | memoryview, *, me: str,
+                 members: tuple[str, ...], own_part: torch.Tensor, codec: Codec, rule: Rule,
+                 keys: RoundKeys) -> ResultCheck:
     """Reducer i's result judged by member `me`, who settled on `members` and sent `own_part` of shard i: refused
     unless it is signed, over the settled contributors, with coefficients that follow from its norms and the plan's
     weights, our part's norm as we sent it, and a norm its coefficients allow. Decodes it on success."""
@@ -120,8 +121,8 @@ def check_result(plan: Plan, i: int, header: pb.ShardResult, body: bytearray, *,
         return ResultCheck(f"malformed result: {exc}", proven=True)
 
 
-def _check_signed(plan: Plan, i: int, header: pb.ShardResult, body: bytearray, *, me: str, members: tuple[str, ...],
-                  own_part: torch.Tensor, codec: Codec, rule: Rule) -> ResultCheck:
+def _check_signed(plan: Plan, i: int, header: pb.ShardResult, body: bytearray | memoryview, *, me: str,
+                  members: tuple[str, ...], own_part: torch.Tensor, codec: Codec, rule: Rule) -> ResultCheck:
     if tuple(header.members) != members:
         return ResultCheck("its result is over other contributors than the settled ones", proven=True)
     weight = dict(zip(plan.members, plan.weights, strict=True))

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
-from swarmloco.protocol.base.codecs import Codec, CodecError
+from swarmloco.protocol.base.codecs import Codec, CodecError, all_finite
 from swarmloco.protocol.base.text import bounded, short_id
 from swarmloco.protocol.base.wire import WireError, frame_bytes
 from swarmloco.protocol.round.audit import AuditCase, audit
@@ -194,12 +194,6 @@ async def _exchange_parts(plan: Plan, k: int, own: torch.Tensor, pipes: Mapping[
     encoded: dict[int, Payload] = {}
     sent = received = parts_sent = 0
     send_s = 0.0
-    # Our own part is checked like anyone's: a non-finite Δ of ours (a bug, a diverged replica) must drop us from
-    # the round, not poison our shard.
-    if bool(torch.isfinite(own[mine]).all()):
-        parts[me] = own[mine]
-    else:
-        problems[me] = f"malformed part of shard {k} (our own): NaN or Inf"
     started = time.monotonic()
 
     def encode(j: int) -> tuple[pb.ShardPart, Payload]:
@@ -259,13 +253,20 @@ async def _exchange_parts(plan: Plan, k: int, own: torch.Tensor, pipes: Mapping[
 
     sending = asyncio.ensure_future(send_parts())
     try:
+        # Our own part is checked like anyone's (off the loop, beside the sends): a non-finite Δ of ours (a bug, a
+        # diverged replica) must drop us from the round, not poison our shard.
+        if await loop.run_in_executor(None, all_finite, own[mine]):
+            parts[me] = own[mine]
+        else:
+            problems[me] = f"malformed part of shard {k} (our own): NaN or Inf"
+
         async def heard(i: int) -> bool:  # whatever arrived (or failed): not a straggler
             await receive_part(i)
             return True
 
         got_all = await gather_with_grace([heard(i) for i in order], have=1, need=n // 2 + 1,
                                           floor=signing.grace_floor)
-    except RoundAborted:
+    except BaseException:  # aborted or cancelled: our sends stop too
         sending.cancel()
         raise
     slow = [plan.members[i] for i, r in zip(order, got_all, strict=True) if r is None]

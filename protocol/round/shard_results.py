@@ -88,15 +88,19 @@ async def exchange_results(plan: Plan, k: int, pipes: Mapping[str, Pipe], member
         header.signature = sign(signing.identity, result_body(signing.run_id, signing.plan_id, me, header))
         return header, payload
 
+    def place() -> float:
+        """Everyone applies what they decode, the reducer too, so that every member holds the same bytes; returns
+        the codec's rounding bound of our shard."""
+        average[mine] = reduced if codec.lossless else codec.decode(bytearray(payload), mine.stop - mine.start)
+        return rounding_bound(codec, payload, average[mine])
+
     try:
         header, payload = await loop.run_in_executor(None, signed_result, reduced)
-        # Everyone applies what they decode: the reducer too, so that every member holds the same bytes.
-        average[mine] = reduced if codec.lossless else await loop.run_in_executor(
-            None, codec.decode, bytearray(payload), mine.stop - mine.start)
     except CodecError as exc:  # finite parts averaged to something the codec cannot carry: the shard is lost
         raise RoundAborted(f"our reduced shard {k} cannot be encoded: {exc}") from exc
+    placing = loop.run_in_executor(None, place)  # beside the sends: off the loop, out of their way
     headers = {k: header}
-    rounding = {k: rounding_bound(codec, payload, average[mine])}
+    rounding: dict[int, float] = {}
 
     async def send_one(peer: str) -> None:
         nonlocal sent
@@ -114,13 +118,15 @@ async def exchange_results(plan: Plan, k: int, pipes: Mapping[str, Pipe], member
         except WireError as exc:
             logger.info("could not send shard %d to %s: %s", k, short_id(peer), exc)
 
-    def check_and_place(i: int, h: pb.ShardResult, body: bytearray) -> tuple[str, bool]:
+    def check_and_place(i: int, h: pb.ShardResult, body: bytearray | memoryview) -> tuple[str, bool]:
         """Why reducer i's result is refused ("" when it checks out: it is now in the average), and whether that is
         proof against it."""
         checked = check_result(plan, i, h, body, me=me, members=members, own_part=own[i], codec=codec,
                                rule=signing.rule, keys=signing.keys)
         if checked.decoded is not None:
-            average[plan.shard(i)] = checked.decoded
+            place = average[plan.shard(i)]
+            if checked.decoded.data_ptr() != place.data_ptr():  # (not received in place)
+                place.copy_(checked.decoded)
             rounding[i] = checked.bound
         return checked.problem, checked.proven
 
@@ -128,9 +134,12 @@ async def exchange_results(plan: Plan, k: int, pipes: Mapping[str, Pipe], member
         """(problem, proof) for shard i: a lost shard has a problem; a cheating reducer also a proof."""
         nonlocal received
         peer, theirs = plan.members[i], plan.shard(i)
+        # A lossless shard's bytes are its values: read them straight into the average (a refused shard's bytes
+        # there are never applied: a lost shard ends this pass's average).
+        into = memoryview(average[theirs].numpy()).cast("B") if codec.lossless else None
         try:
             h, body = await pipes[peer].recv(pb.ShardResult, max_payload=codec.encoded_size(
-                theirs.stop - theirs.start), timeout=timeout)
+                theirs.stop - theirs.start), timeout=timeout, into=into)
         except WireError as exc:
             return f"no result from {short_id(peer)}: {exc}", ""
         if h.round != plan.round or h.shard != i:
@@ -151,6 +160,7 @@ async def exchange_results(plan: Plan, k: int, pipes: Mapping[str, Pipe], member
         gather_with_grace([receive_one(i) for i in others], have=1, need=n // 2 + 1, floor=signing.grace_floor))
     outcomes = [o or (f"{short_id(plan.members[i])} is too slow: its shard {i} did not come within the grace after a "
                       "majority had", "") for i, o in zip(others, outcomes, strict=True)]
+    rounding[k] = await placing
     lost = {plan.members[i]: problem for i, (problem, _) in zip(others, outcomes, strict=True) if problem}
     cheaters = {plan.members[i]: proof for i, (_, proof) in zip(others, outcomes, strict=True) if proof}
     return Results(average=average, headers=headers, rounding=rounding, sent=sent, received=received, lost=lost,

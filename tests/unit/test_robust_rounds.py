@@ -143,8 +143,8 @@ def test_bits_flipped_on_the_way_are_caught_and_blame_nobody(net: FakeNetwork, m
     discarded with nothing applied, and no reducer is convicted (anyone on the path could have done it)."""
     original = Pipe.recv
 
-    async def tampered(self: Pipe, header_type, *, max_payload: int, timeout: float):
-        header, body = await original(self, header_type, max_payload=max_payload, timeout=timeout)
+    async def tampered(self: Pipe, header_type, *, max_payload: int, timeout: float, into=None):
+        header, body = await original(self, header_type, max_payload=max_payload, timeout=timeout, into=into)
         if header_type is pb.ShardResult and body:
             body[len(body) // 2] ^= 0x01
         return header, body
@@ -161,8 +161,8 @@ def test_a_part_with_a_flipped_bit_drops_only_its_sender(net: FakeNetwork, monke
     original = Pipe.recv
     victim: list[str] = []
 
-    async def tampered(self: Pipe, header_type, *, max_payload: int, timeout: float):
-        header, body = await original(self, header_type, max_payload=max_payload, timeout=timeout)
+    async def tampered(self: Pipe, header_type, *, max_payload: int, timeout: float, into=None):
+        header, body = await original(self, header_type, max_payload=max_payload, timeout=timeout, into=into)
         if header_type is pb.ShardPart and body and self.peer == victim[0]:
             body[0] ^= 0x80
         return header, body
