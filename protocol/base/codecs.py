@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from swarmloco.protocol.base.buffers import large_empty
 from swarmloco.protocol.base.codec_names import CODEC_NAMES, check_codec_name
 
 BLOCK = 128  # elements per quantisation block (int8/int4); one fp32 scale per block
@@ -96,7 +97,7 @@ class Codec:
             if not all_finite(t):
                 raise CodecError("fp32: NaN or Inf in tensor")
             return t
-        out = torch.empty(numel)
+        out = large_empty(numel)
         self._apply(view, numel, out, None)
         return out
 

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
+from swarmloco.protocol.base.buffers import large_empty
 from swarmloco.protocol.base.codecs import BLOCK, Codec
 from swarmloco.protocol.round.config import Rule
 
@@ -68,7 +69,7 @@ def coefficients_ok(norms: Sequence[float], weights: Sequence[int], coeffs: Sequ
 
 def aggregate(parts: Sequence[torch.Tensor], coeffs: Sequence[float]) -> torch.Tensor:
     """Σ coeff_i part_i, in order (the same float operations everywhere); zero coefficients cost nothing."""
-    acc = torch.zeros_like(parts[0])
+    acc = large_empty(parts[0].numel()).view(parts[0].shape).zero_()
     for part, c in zip(parts, coeffs, strict=True):
         if c:
             acc.add_(part, alpha=c)

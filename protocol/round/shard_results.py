@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
+from swarmloco.protocol.base.buffers import large_empty
 from swarmloco.protocol.base.codecs import Codec, CodecError
 from swarmloco.protocol.base.hooks import Hooks
 from swarmloco.protocol.base.text import bounded, short_id
@@ -76,7 +77,7 @@ async def exchange_results(plan: Plan, k: int, pipes: Mapping[str, Pipe], member
     loop = asyncio.get_running_loop()
     mine = plan.shard(k)
     me = plan.members[k]
-    average = torch.empty(plan.numel, dtype=torch.float32)
+    average = large_empty(plan.numel)
     shard = await loop.run_in_executor(None, reduce_shard, plan, members, parts, signing.rule)
     reduced = signing.hooks.reduced_shard(plan.round, k, shard.tensor)  # a test harness playing a cheating reducer
     sent = received = 0

@@ -1,5 +1,5 @@
-"""Receiving a frame straight into a caller's buffer (how a joiner places state chunks), and the prefaulted buffers
-those chunks land in."""
+"""Receiving a frame straight into a caller's buffer (how a joiner places state chunks and a member a reduced shard),
+and the large buffers such payloads land in."""
 from __future__ import annotations
 
 import asyncio
@@ -8,9 +8,11 @@ import threading
 import time
 
 import pytest
+import torch
 
+from swarmloco.protocol.base import buffers
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
-from swarmloco.protocol.base.buffers import prefaulted_buffer
+from swarmloco.protocol.base.buffers import large_buffer, large_empty, prefaulted_buffer
 from swarmloco.protocol.base.wire import WireError, frame_prefix, read_frame
 from swarmloco.protocol.network.data_plane import DataConn
 
@@ -69,3 +71,24 @@ def test_a_prefaulted_buffer_is_writable_zeroed_memory_of_the_size_asked() -> No
     while any(t.name == "swarmloco-prefault" for t in threading.enumerate()):
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize("size", [1000, (24 << 20) + 3])
+def test_a_large_buffer_is_writable_memory_of_the_size_asked(size: int) -> None:
+    buffer = large_buffer(size)
+    view = memoryview(buffer)
+    assert len(view) == size and view.format == "B" and not view.readonly
+    view[-3:] = b"abc"
+    assert bytes(view[-3:]) == b"abc"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_large_empty_is_a_contiguous_tensor_of_the_numel_and_dtype_asked(dtype: torch.dtype) -> None:
+    small, big = large_empty(10, dtype), large_empty((6 << 20) + 1, dtype)
+    for t, numel in ((small, 10), (big, (6 << 20) + 1)):
+        assert t.dtype == dtype and t.numel() == numel and t.shape == (numel,) and t.is_contiguous()
+    if buffers._madvise is not None:  # on a huge-page boundary, so the kernel can back it with huge pages
+        assert big.data_ptr() % (2 << 20) == 0
+    big.fill_(1.5)
+    big[-1] = 2.0
+    assert float(big.sum()) == 1.5 * (6 << 20) + 2.0
