@@ -87,8 +87,24 @@ def test_large_empty_is_a_contiguous_tensor_of_the_numel_and_dtype_asked(dtype: 
     small, big = large_empty(10, dtype), large_empty((6 << 20) + 1, dtype)
     for t, numel in ((small, 10), (big, (6 << 20) + 1)):
         assert t.dtype == dtype and t.numel() == numel and t.shape == (numel,) and t.is_contiguous()
-    if buffers._madvise is not None:  # on a huge-page boundary, so the kernel can back it with huge pages
-        assert big.data_ptr() % (2 << 20) == 0
     big.fill_(1.5)
     big[-1] = 2.0
     assert float(big.sum()) == 1.5 * (6 << 20) + 2.0
+
+
+def test_large_buffers_reuse_the_memory_of_ones_gone_and_never_of_one_alive() -> None:
+    size = 9 << 20
+    first = large_empty(size // 4)
+    address = first.data_ptr()
+    view = first[10:20]  # a view keeps the memory in use
+    del first
+    second = large_empty(size // 4)
+    assert second.data_ptr() != address
+    del view
+    third = large_empty(size // 4 - 1000)  # the first buffer's memory is free now, and fits: it comes back
+    assert third.data_ptr() == address
+    payload = large_buffer(3 * size)  # too big for any freed one: fresh memory
+    assert len(payload) == 3 * size and not memoryview(payload).readonly
+    del second, third, payload
+    assert 3 <= len(buffers._POOL) <= buffers._POOL.capacity
+    assert large_empty(1 << 10).numel() == 1 << 10  # (small ones are plain tensors)
