@@ -27,7 +27,9 @@ import numpy as np
 import torch
 from blake3 import blake3
 
-PROBE_CHUNK = 1 << 20  # elements per chunk of a probe or of a tensor dotted with one
+# Elements per chunk of a probe or of a tensor dotted with one: 1 MiB of float64 per buffer, so a chunk's probes and
+# widened slice stay in cache between their dots (1.5x faster than 8 MiB chunks here; the values do not depend on it).
+PROBE_CHUNK = 1 << 17
 PROBE_STD = math.sqrt((65536.0**2 - 1) / 12)  # the standard deviation of a probe value
 
 
