@@ -63,16 +63,19 @@ def prefaulted_buffer(size: int) -> np.ndarray:
 
 class _Pool:
     """Mappings of large buffers whose last user is gone, for the next buffer that fits one (at most twice its
-    size): the smallest that fits is reused, the oldest beyond `capacity` go back to the kernel."""
+    size): the smallest that fits is reused. The oldest go back to the kernel beyond `capacity` mappings, or beyond
+    three times the largest buffer asked for (about one round's working set: its average and its parts)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._free: list[mmap.mmap] = []  # oldest first
+        self._largest = 0
         self._lock = threading.Lock()
 
     def array(self, size: int) -> np.ndarray:
         """A writable uint8 array of `size` bytes (contents undefined)."""
         with self._lock:
+            self._largest = max(self._largest, size)
             fits = [m for m in self._free if size <= len(m) <= 2 * size]
             region = min(fits, key=len) if fits else None
             if region is not None:
@@ -87,6 +90,8 @@ class _Pool:
         with self._lock:
             self._free.append(region)
             del self._free[: max(0, len(self._free) - self.capacity)]
+            while sum(map(len, self._free)) > 3 * self._largest:
+                del self._free[0]
 
     def __len__(self) -> int:
         return len(self._free)

@@ -162,7 +162,7 @@ class DataConn:
                     into: memoryview | None = None) -> tuple[bytearray, bytearray | memoryview]:
         raw = self._recv_exact(header_length(bytes(self._recv_exact(HEADER_LEN.size, deadline))), deadline)
         size = payload_length(bytes(self._recv_exact(PAYLOAD_LEN.size, deadline)), max_payload)
-        if into is None:  # (a large payload lands on huge pages: fewer page faults on the first write)
+        if into is None:  # (a large payload lands in memory a buffer now gone used before: no page faults)
             payload = large_buffer(size)
             self._recv_into(memoryview(payload), deadline)
             return raw, payload

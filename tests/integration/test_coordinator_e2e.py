@@ -315,6 +315,7 @@ def test_coordinator_down_mid_run(procs: Procs, tmp_path: Path) -> None:
         str(tmp_path / "summary.json"),
         f"--peer-arg=--invite={info['invite']}",  # the coordinator is invite-only: the code it generated
         *PEER_ARGS,
+        "--peer-arg=--eval-every=1000",  # (this test reads no eval loss: evaluating every round only slows it)
     )
     log = work.with_suffix(".log")
 

@@ -108,3 +108,14 @@ def test_large_buffers_reuse_the_memory_of_ones_gone_and_never_of_one_alive() ->
     del second, third, payload
     assert 3 <= len(buffers._POOL) <= buffers._POOL.capacity
     assert large_empty(1 << 10).numel() == 1 << 10  # (small ones are plain tensors)
+
+
+def test_the_pool_keeps_at_most_three_times_the_largest_buffer_asked_for() -> None:
+    pool = buffers._Pool(capacity=16)
+    held = [pool.array(10 << 20) for _ in range(5)]  # five buffers alive at once, then all gone
+    del held
+    assert len(pool) == 3  # 50 MiB freed, 30 MiB kept
+    kept = pool.array(10 << 20)
+    assert len(kept) == 10 << 20 and len(pool) == 2  # one reused
+    del kept
+    assert len(pool) == 3  # and back as soon as nothing refers to it
