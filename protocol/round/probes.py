@@ -28,7 +28,8 @@ import torch
 from blake3 import blake3
 
 # Elements per chunk of a probe or of a tensor dotted with one: 1 MiB of float64 per buffer, so a chunk's probes and
-# widened slice stay in cache between their dots (1.5x faster than 8 MiB chunks here; the values do not depend on it).
+# widened slice stay in cache between their dots (1.5x faster than 8 MiB chunks here). The probe values do not depend
+# on it; the sums only change their order of addition, well within `robust.sketch_matches`.
 PROBE_CHUNK = 1 << 17
 PROBE_STD = math.sqrt((65536.0**2 - 1) / 12)  # the standard deviation of a probe value
 
