@@ -161,8 +161,11 @@ def _check_out(out: torch.Tensor, numel: int) -> None:
 
 
 def all_finite(t: torch.Tensor) -> bool:
-    """True iff no element is NaN or ±Inf: min and max propagate NaN and expose ±Inf, and one fused reduction is
-    as cheap as a sum (and exact, unlike the sum, which can overflow)."""
+    """True iff no element is NaN or ±Inf (an empty tensor has none: a member's shard can be empty): min and max
+    propagate NaN and expose ±Inf, and one fused reduction is as cheap as a sum (and exact, unlike the sum, which
+    can overflow)."""
+    if t.numel() == 0:
+        return True
     lo, hi = torch.aminmax(t)
     return math.isfinite(float(lo)) and math.isfinite(float(hi))
 

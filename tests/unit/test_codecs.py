@@ -214,3 +214,11 @@ def test_int4_wire_layout() -> None:
     data = struct.pack("<f", 0.5) + body
     assert torch.equal(get_codec("int4").decode(data, BLOCK), q.float() * 0.5)
     assert bytes(get_codec("int4").encode(q.float() * 0.5)) == data
+
+
+def test_all_finite_of_an_empty_tensor_is_true_and_any_nan_or_inf_is_caught() -> None:
+    assert codecs.all_finite(torch.zeros(0)) and codecs.all_finite(torch.randn(1000))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        x = torch.randn(1000)
+        x[617] = bad
+        assert not codecs.all_finite(x)

@@ -137,3 +137,19 @@ def test_a_reducer_sending_a_malformed_shard_loses_the_round_for_everyone(net: F
     assert all("malformed result" in r.reason for r in others), [r.reason for r in others]
     assert not any(a.holds_new_state for a in applied)
     assert all(a.head.round == 0 for a in averagers)
+
+
+def test_a_member_whose_shard_is_empty_takes_part_and_the_round_commits(net: FakeNetwork,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small vector cut by bandwidth can leave a reducer nothing to reduce (shard_bounds allows an empty shard).
+    Its own part of that shard is empty, which is finite: it still sends its parts, takes part in the audit, and
+    the round commits. (Checking the empty part with aminmax raised, and every such round was discarded.)"""
+    from swarmloco.protocol.round import steps
+
+    monkeypatch.setattr(steps, "bandwidth_shares", lambda bandwidths: [0.0] + [1.0 / (len(bandwidths) - 1)] *
+                        (len(bandwidths) - 1))
+    averagers = peers(net, 3, quorum=3)
+    results, applied = whole_round(averagers)
+    assert [r.outcome for r in results] == [Outcome.COMMITTED] * 3, [r.reason for r in results]
+    assert shard_bounds(NUMEL, [0.0, 0.5, 0.5])[:2] == (0, 0)  # the first reducer's shard is empty
+    assert all(torch.allclose(a.calls[0], torch.full((NUMEL,), 2.0)) for a in applied)
