@@ -111,7 +111,8 @@ class Matchmaker:
                 views.see([r.eta for r in here.values() if r.ready], lookback_s=self.cfg.round_timeout_s)
                 decision = decide(me=me, views=views, here=here, seed=self.seed or state_hash,
                                   schedule=self.schedule, now=self.clock.time(),
-                                  eligible=self._eligible(here, weights))
+                                  eligible=self._eligible(here, weights),
+                                  weight=weights.say)
                 self.transport.update_record(view=decision.view)
                 if (decision.view, decision.leader) != last:
                     last = (decision.view, decision.leader)

@@ -21,9 +21,13 @@ Nothing here is one peer's impression of another: no skip lists, no counts of wh
 per-peer facts are evidence (a peer proven to cheat is banned) and the peer's own history (a group it took part in
 that did not commit makes it move on to the next view).
 
-A view ends for everyone at its scheduled time, or earlier for a peer that sees a ready peer at its state already in
-the next view, once half of its own view has passed: a peer whose anchor was a little late catches up, and a
-stranger advertising later views can at most halve the views, which still grow.
+A view ends for everyone at its scheduled time, or earlier for a peer that sees more than half of the ready peers
+at its state (weighed as they are for leading: by seniority where some are senior) already in a later view, once
+half of its own view has passed: its view could not gather a majority any more, and a peer whose anchor was late
+catches up with the others. One record is never enough: a peer advertising later views, however many identities it
+holds short of a majority, does not shorten anybody's views (were it enough, every view would end at its half, and
+the swarm would reach the long views in half the time, where a staller that leads one of them holds its members
+longest).
 
 `decide` is the whole decision, with the clock passed in, so it is unit-tested without a network or a real clock.
 """
@@ -151,15 +155,17 @@ class Views:
 
 
 def decide(*, me: str, views: Views, here: Mapping[str, PeerRecord], seed: str, schedule: ViewSchedule,
-           now: float, eligible: Callable[[Collection[str]], Collection[str]] = lambda peers: peers) -> Decision:
+           now: float, eligible: Callable[[Collection[str]], Collection[str]] = lambda peers: peers,
+           weight: Callable[[str], int] = lambda peer: 1) -> Decision:
     """What to do now at our state. `here`: the credible, unbanned records of the other peers at our (round, hash).
     `eligible`: who among a view's candidates may lead it, and whose later views move us on (default: all of them;
-    `swarmloco.protocol.round.weights.Weights.eligible` keeps the senior ones where there are any).
+    `swarmloco.protocol.round.weights.Weights.eligible` keeps the senior ones where there are any). `weight`: each
+    of those peers' say in moving us on (default: one each).
     Updates `views.current` and the readiness times `views.etas`; the rest of `views` is read only."""
     since = views.ready_since({p: r for p, r in here.items() if p != me})  # the ready peers other than us
     view = max(schedule.at(now - views.anchor), views.floor, views.current)
-    ahead = any(here[p].view > view for p in eligible([*since, me]) if p != me)
-    if ahead and now - views.anchor >= schedule.start(view) + schedule.length(view) / 2:
+    if _majority_ahead(me, view, here, eligible([*since, me]), weight) and \
+            now - views.anchor >= schedule.start(view) + schedule.length(view) / 2:
         view = min(MAX_VIEW, view + 1)
     views.current = view
     began = views.anchor + schedule.start(view)
@@ -172,3 +178,11 @@ def decide(*, me: str, views: Views, here: Mapping[str, PeerRecord], seed: str, 
     # never empty: the first peer ready is always a candidate, and `eligible` keeps some of any non-empty set
     leader = view_leader(seed, view, eligible(candidates))
     return Decision(Action.LEAD if leader == me else Action.JOIN, view, leader, ends_at)
+
+
+def _majority_ahead(me: str, view: int, here: Mapping[str, PeerRecord], voters: Collection[str],
+                    weight: Callable[[str], int]) -> bool:
+    """Whether the peers in a later view than ours hold more than half the weight of `voters` (us included)."""
+    total = sum(weight(p) for p in voters)
+    ahead = sum(weight(p) for p in voters if p != me and here[p].view > view)
+    return 2 * ahead > total

@@ -10,7 +10,7 @@ Where the newest authority checkpoint (`swarmloco.protocol.trust.checkpoints`) n
 - the swarm a group declares, and whose majority its certificate's signatures must be
   (`swarmloco.protocol.trust.certificates.need`), is the group plus the senior peers outside it: peers on
   probation count only when they take part;
-- only senior peers lead views, and only their records can move a peer to a later view.
+- only senior peers lead views, and only their records, weighed by seniority, can move a peer to a later view.
 Without a checkpoint, or where nobody active is senior yet, every active peer counts as one, as before. Peers
 holding different checkpoints may weigh one group differently for a few seconds; the group then does not close
 or a member sits it out, and the next view goes on. Who adopts a certified state is weighed the same way, in
@@ -64,6 +64,11 @@ class Weights:
             return f"group holding more than half of the {total} seniority of {len(active)} active peers"
         swarm = len(set(active))
         return f"group of {need(swarm, self.quorum)} (a majority of {swarm} active peers)"
+
+    def say(self, peer: str) -> int:
+        """A peer's weight when a majority of the ready peers moves others to a later view: its seniority, or one
+        where it has none (among peers `eligible` keeps, either all are senior or none is)."""
+        return max(1, self.seniority(peer))
 
     def eligible(self, peers: Collection[str]) -> Collection[str]:
         """Who among `peers` may lead a view (or move others to a later one): the senior ones, or all of them when
