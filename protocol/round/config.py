@@ -82,11 +82,16 @@ class Deadlines:
     # the whole exchange as the training thread waits for it: claims, plan and pipes, then up to two passes of the
     # reduce (a second when a reduced shard was lost), each two transfers and two settlements
     exchange: float
+    # the least a reduced shard is waited for once a majority of them is in (then twice the time they took). Short:
+    # reducers' shards are cut to their claimed bandwidths, so honest ones arrive together, and a shard cut off
+    # costs a second pass of the reduce, not the round; a withholding reducer costs this, not a control timeout
+    result_grace: float
 
     @classmethod
     def of(cls, cfg: RoundConfig) -> Deadlines:
         transfer, control = cfg.exchange_timeout_s, cfg.control_timeout_s
-        return cls(control=control, transfer=transfer, linger=transfer, exchange=4 * transfer + 9 * control)
+        return cls(control=control, transfer=transfer, linger=transfer, exchange=4 * transfer + 9 * control,
+                   result_grace=control / 4)
 
 
 @dataclass(frozen=True)

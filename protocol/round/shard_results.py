@@ -48,7 +48,8 @@ class Signing:
     commits: tuple[str, ...]  # every member's audit commitment, plan order
     hooks: Hooks = field(default_factory=Hooks)
     probe: Callable[[bytes], torch.Tensor] | None = None  # the credit probe's gradient (`AuditCase.probe`)
-    grace_floor: float = 10.0  # the least a straggler is waited for once a majority's frames are in
+    grace_floor: float = 10.0  # the least a straggler's part is waited for once a majority's parts are in
+    result_grace_floor: float = 2.5  # the same for a reduced shard (cutting one costs a second pass, not the round)
 
     @property
     def keys(self) -> RoundKeys:
@@ -158,7 +159,7 @@ async def exchange_results(plan: Plan, k: int, pipes: Mapping[str, Pipe], member
     n = len(plan.members)
     _, outcomes = await asyncio.gather(
         asyncio.gather(*(send_one(plan.members[i]) for i in others)),
-        gather_with_grace([receive_one(i) for i in others], have=1, need=n // 2 + 1, floor=signing.grace_floor))
+        gather_with_grace([receive_one(i) for i in others], have=1, need=n // 2 + 1, floor=signing.result_grace_floor))
     outcomes = [o or (f"{short_id(plan.members[i])} is too slow: its shard {i} did not come within the grace after a "
                       "majority had", "") for i, o in zip(others, outcomes, strict=True)]
     rounding[k] = await placing

@@ -111,7 +111,7 @@ class RoundSteps:
                               plan_id=plan_digest(plan.to_pb()), plan_signature=plan.signature, rule=self.cfg.rule,
                               probes=self.cfg.audit_probes, nonce=nonce,
                               commits=tuple(c.audit_commit for c in plan.claims), hooks=self.hooks,
-                              grace_floor=d.control, probe=self.probe)
+                              grace_floor=d.control, result_grace_floor=d.result_grace, probe=self.probe)
             reduced = await reduce_shards(plan, delta, me=group.me, codec=self.codec, router=self.router,
                                           inbox=inbox, timeouts=ShardTimeouts(connect=d.control, transfer=d.transfer),
                                           use_tcp=self.use_tcp, after_parts=after_parts, signing=signing,
