@@ -21,13 +21,13 @@ Nothing here is one peer's impression of another: no skip lists, no counts of wh
 per-peer facts are evidence (a peer proven to cheat is banned) and the peer's own history (a group it took part in
 that did not commit makes it move on to the next view).
 
-A view ends for everyone at its scheduled time, or earlier for a peer that sees more than half of the ready peers
-at its state (weighed as they are for leading: by seniority where some are senior) already in a later view, once
-half of its own view has passed: its view could not gather a majority any more, and a peer whose anchor was late
-catches up with the others. One record is never enough: a peer advertising later views, however many identities it
-holds short of a majority, does not shorten anybody's views (were it enough, every view would end at its half, and
-the swarm would reach the long views in half the time, where a staller that leads one of them holds its members
-longest).
+A view ends for everyone at its scheduled time, or earlier for a peer that sees at least half of the ready peers at
+its state (weighed as they are for leading: by seniority where some are senior) already in a later view, once half
+of its own view has passed: those left in its view could no longer be a majority, and a peer whose anchor was late
+catches up with the others. One record is not enough where three or more peers are ready: a peer advertising later
+views, however many identities it holds short of half, does not shorten anybody's views (were it enough, every
+view would end at its half, and the swarm would reach the long views in half the time, where a staller that leads
+one of them holds its members longest).
 
 `decide` is the whole decision, with the clock passed in, so it is unit-tested without a network or a real clock.
 """
@@ -164,7 +164,7 @@ def decide(*, me: str, views: Views, here: Mapping[str, PeerRecord], seed: str, 
     Updates `views.current` and the readiness times `views.etas`; the rest of `views` is read only."""
     since = views.ready_since({p: r for p, r in here.items() if p != me})  # the ready peers other than us
     view = max(schedule.at(now - views.anchor), views.floor, views.current)
-    if _majority_ahead(me, view, here, eligible([*since, me]), weight) and \
+    if _half_ahead(me, view, here, eligible([*since, me]), weight) and \
             now - views.anchor >= schedule.start(view) + schedule.length(view) / 2:
         view = min(MAX_VIEW, view + 1)
     views.current = view
@@ -180,9 +180,10 @@ def decide(*, me: str, views: Views, here: Mapping[str, PeerRecord], seed: str, 
     return Decision(Action.LEAD if leader == me else Action.JOIN, view, leader, ends_at)
 
 
-def _majority_ahead(me: str, view: int, here: Mapping[str, PeerRecord], voters: Collection[str],
+def _half_ahead(me: str, view: int, here: Mapping[str, PeerRecord], voters: Collection[str],
                     weight: Callable[[str], int]) -> bool:
-    """Whether the peers in a later view than ours hold more than half the weight of `voters` (us included)."""
+    """Whether the peers in a later view than ours hold at least half the weight of `voters` (us included): the
+    rest, we among them, are then no majority, and our view cannot gather a group."""
     total = sum(weight(p) for p in voters)
     ahead = sum(weight(p) for p in voters if p != me and here[p].view > view)
-    return 2 * ahead > total
+    return 2 * ahead >= total

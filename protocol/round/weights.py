@@ -66,7 +66,7 @@ class Weights:
         return f"group of {need(swarm, self.quorum)} (a majority of {swarm} active peers)"
 
     def say(self, peer: str) -> int:
-        """A peer's weight when a majority of the ready peers moves others to a later view: its seniority, or one
+        """A peer's weight when half of the ready peers or more move others to a later view: its seniority, or one
         where it has none (among peers `eligible` keeps, either all are senior or none is)."""
         return max(1, self.seniority(peer))
 

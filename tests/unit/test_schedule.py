@@ -92,9 +92,10 @@ def test_an_advertised_later_view_ends_ours_only_past_its_half_and_by_one() -> N
     assert max(seen) == 1  # the pull of a far-ahead record is one view per half view, not one per poll
 
 
-def test_a_later_view_moves_us_on_only_when_a_majority_of_the_ready_weight_is_there() -> None:
-    """One peer advertising the farthest view (a staller pulling the swarm into the long views it then holds) moves
-    nobody; a majority of the ready peers in a later view does, since our view can no longer gather one."""
+def test_a_later_view_moves_us_on_only_when_half_the_ready_weight_is_there() -> None:
+    """One peer of four advertising the farthest view (a staller pulling the swarm into the long views it then
+    holds) moves nobody. Half of the ready peers or more in a later view does: those left in ours are no majority,
+    so our view cannot gather a group."""
     me = PEERS[0]
     here = _here(me)
     here[PEERS[1]] = rec(ready=True, eta=T0, view=MAX_VIEW)
@@ -103,15 +104,14 @@ def test_a_later_view_moves_us_on_only_when_a_majority_of_the_ready_weight_is_th
         return decide(me=me, views=_views(), here=here, seed=H1, schedule=SCHEDULE, now=t, weight=weight).view
 
     assert [at(T0 + t) for t in (1.5, 5.0, 13.0)] == [0, 1, 2]  # one of four ahead: the schedule alone
+    assert at(T0 + 1.5, weight=lambda peer: 2 if peer == PEERS[1] else 1) == 0  # weighed: 2 of 5 ahead
+    assert at(T0 + 1.5, weight=lambda peer: 3 if peer == PEERS[1] else 1) == 1  # weighed: 3 of 6
     here[PEERS[2]] = rec(ready=True, eta=T0, view=1)
-    assert at(T0 + 1.5) == 0  # two of four: not more than half
-    assert at(T0 + 1.5, weight=lambda peer: 3 if peer == PEERS[1] else 1) == 1  # weighed: 4 of 6 ahead
-    here[PEERS[3]] = rec(ready=True, eta=T0, view=1)
-    assert at(T0 + 0.5) == 0 and at(T0 + 1.5) == 1  # three of four, past the half of view 0
-    here[PEERS[3]] = rec(ready=False, eta=T0, view=1)  # busy peers are not counted: two of three ready
-    assert at(T0 + 1.5) == 1
-    here[PEERS[2]] = rec(ready=False, eta=T0, view=1)  # one of two ready: not more than half
+    assert at(T0 + 0.5) == 0 and at(T0 + 1.5) == 1  # two of four, past the half of view 0
+    here[PEERS[2]] = rec(ready=False, eta=T0, view=1)  # busy peers are not counted: one of three ready
     assert at(T0 + 1.5) == 0
+    here[PEERS[3]] = rec(ready=False, eta=T0)  # one of two ready: the two of us could not be a majority apart
+    assert at(T0 + 1.5) == 1
 
 
 def test_views_never_go_back_and_a_failed_group_moves_us_on() -> None:
