@@ -91,8 +91,10 @@ class Matchmaker:
         last: tuple[int, str] | None = None
         try:
             while self.clock.monotonic() < deadline:
+                looked_at = self.clock.monotonic()
                 try:
                     found = await self.transport.fetch_records(timeout=self.deadlines.control)
+                    look = self.clock.monotonic() - looked_at  # what the next look will take, about
                 except TimeoutError:
                     logger.info("DHT lookup timed out; retrying")
                     continue
@@ -121,7 +123,7 @@ class Matchmaker:
                                  decision.until_end(self.clock.time()))
                 group: Group | Declined | None = None
                 if decision.action is Action.LEAD:
-                    group = await self._lead(round_number, decision, active, here, weights)
+                    group = await self._lead(round_number, decision, active, here, weights, deadline, look)
                 else:
                     self._abandon()  # a group of ours from an earlier view: its members move on with us
                     group = await self._try_join(decision.leader, round_number, state_hash, decision, active,
@@ -181,17 +183,21 @@ class Matchmaker:
         return Weights(self.gate.checkpoint, self.cfg.quorum)
 
     async def _lead(self, round_number: int, decision: Decision, active: set[str],
-                    here: dict[str, PeerRecord], weights: Weights) -> Group | None:
-        """One look as the view's leader: close the group if quorum and grace (or the view's end) allow, else wait
-        for a join or the next poll."""
+                    here: dict[str, PeerRecord], weights: Weights, deadline: float, look: float) -> Group | None:
+        """One look as the view's leader: close the group if quorum and grace allow, or once enough have joined
+        and the view or our attempt at the round (`deadline`, monotonic) would end before our next look (`look`:
+        what this one's read of the records took); else wait for a join or the next poll. The grace waits for
+        peers about to be ready, and for ready ones in our view; a ready peer in another view follows another
+        leader and is not waited for."""
         collect = self._ensure_collecting(round_number, decision.view)
         now, wall = self.clock.monotonic(), self.clock.time()
         group = [self.transport.peer_id, *collect.members]
         if weights.enough(group, active) and not self.hooks.hold_group(round_number):
             collect.quorum_at = collect.quorum_at or now
-            etas = [None if r.ready else max(0.0, r.eta - wall) for p, r in here.items() if p not in collect.members]
+            etas = [None if r.ready else max(0.0, r.eta - wall) for p, r in here.items()
+                    if p not in collect.members and not (r.ready and r.view != decision.view)]
             if grace_over(waited=now - collect.quorum_at, etas=etas, cfg=self.cfg) or \
-                    decision.until_end(wall) <= POLL_S:
+                    min(decision.until_end(wall), deadline - now) <= POLL_S + look:
                 return await self._close(collect, active, weights)
         collect.changed.clear()
         with contextlib.suppress(TimeoutError):
