@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from swarmloco.peer import checkpoint
 from swarmloco.peer.config import PeerConfig
+from swarmloco.peer.memory import release_free_memory
 from swarmloco.peer.progress import Progress, round_float
 from swarmloco.peer.replica import Replica
 from swarmloco.peer.signals import StopFlag
@@ -164,6 +165,7 @@ class TrainingLoop:
             try:
                 while not self.done():
                     sync.round(self)
+                    release_free_memory()  # what the round freed, back to the OS (`swarmloco.peer.memory`)
             finally:
                 self.progress.close()
                 self.save_checkpoint()
