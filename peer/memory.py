@@ -12,10 +12,7 @@ arena, and keeps the threshold that makes them cheap. A no-op where the C librar
 from __future__ import annotations
 
 import ctypes
-import logging
 from collections.abc import Callable
-
-logger = logging.getLogger(__name__)
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
@@ -31,7 +28,7 @@ _TRIM = _malloc_trim()
 
 
 def release_free_memory() -> bool:
-    """Return the heap's free pages to the OS; whether the C library could (it takes a few ms)."""
+    """Return the heap's free pages to the OS; whether the C library could (tens of µs on a tiny peer here)."""
     if _TRIM is None:
         return False
     _TRIM(0)

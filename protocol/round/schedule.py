@@ -181,7 +181,7 @@ def decide(*, me: str, views: Views, here: Mapping[str, PeerRecord], seed: str, 
 
 
 def _half_ahead(me: str, view: int, here: Mapping[str, PeerRecord], voters: Collection[str],
-                    weight: Callable[[str], int]) -> bool:
+                weight: Callable[[str], int]) -> bool:
     """Whether the peers in a later view than ours hold at least half the weight of `voters` (us included): the
     rest, we among them, are then no majority, and our view cannot gather a group."""
     total = sum(weight(p) for p in voters)
