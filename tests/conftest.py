@@ -109,6 +109,17 @@ def peer_zygote() -> Iterator[Any]:
 
 
 @pytest.fixture
+def net() -> Iterator[Any]:
+    """An in-memory network on a virtual clock (`swarmloco.protocol.testing.fake.FakeNetwork`), opened with `with`
+    so that the test's thread drives the peers and the clock waits for it (opened without, the clock can run ahead
+    of a peer's start). A test file whose peers need the machine's clock defines its own."""
+    from swarmloco.protocol.testing.fake import FakeNetwork
+
+    with FakeNetwork() as n:
+        yield n
+
+
+@pytest.fixture
 def swarm(tmp_path: Path, peer_zygote: Any) -> Iterator[Any]:
     """A fresh permissioned run of real peers (`swarm_harness.Swarm`), forked from the session's fork server;
     every process it started is gone when the test ends, or the test fails. Imported here, not at the top: the

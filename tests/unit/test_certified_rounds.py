@@ -3,7 +3,6 @@ certified states, forged certificates refused, and a partition whose two chains 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,12 +34,6 @@ from swarmloco.protocol.trust.identity import Identity
 
 pytestmark = pytest.mark.timeout(60)
 AUTHORITY = Identity(path=Path("<memory>"), private_key=Identity.generate())
-
-
-@pytest.fixture
-def net() -> Iterator[FakeNetwork]:
-    with FakeNetwork() as n:
-        yield n
 
 
 def _admitted(net: FakeNetwork, n: int, *, quorum: int, **cfg: object) -> list[Averager]:

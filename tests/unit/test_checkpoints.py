@@ -5,7 +5,6 @@ heavier chain before the checkpoint arrived goes back to the checkpointed one. E
 the checkpoint, the same certificate is adopted."""
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -95,12 +94,6 @@ def test_the_gate_keeps_the_newest_valid_checkpoint() -> None:
 
 
 # --- what a peer holding a checkpoint refuses ---------------------------------------------------------------------
-@pytest.fixture
-def net() -> Iterator[FakeNetwork]:
-    with FakeNetwork() as n:
-        yield n
-
-
 def _sybils_serve(net: FakeNetwork, *, k: int, round_number: int, prev_hash: str, new_hash: str,
                   work: int, posing_as: tuple[str, ...] = ()) -> FakeTransport:
     """k admitted sybils sign a valid certificate among themselves (a swarm of k); one of them serves it.

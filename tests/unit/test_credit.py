@@ -4,8 +4,6 @@ its own score. Each defence has its control: without the probe the rider is cred
 check of the gradient sketch the liar is."""
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from _fake_rounds import NUMEL, announce, by_rank, peers, round_from_heads, whole_round
@@ -25,12 +23,6 @@ G = torch.ones(NUMEL)  # the fake task's loss gradient: every honest Δ (delta(i
 
 def probe(seed: bytes) -> torch.Tensor:
     return G.clone()
-
-
-@pytest.fixture
-def net() -> Iterator[FakeNetwork]:
-    with FakeNetwork() as n:
-        yield n
 
 
 # --- the rule ------------------------------------------------------------------------------------------------------

@@ -3,21 +3,12 @@ never waits for a peer that follows another leader, and a group that has enough 
 leader's attempt at the round runs out, whatever the grace still hoped for."""
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
 from _fake_rounds import H0, announce, by_rank, peers, whole_round
 
 from swarmloco.protocol.base.outcome import Outcome
 from swarmloco.protocol.base.records import MAX_VIEW
 from swarmloco.protocol.round.schedule import view_leader
 from swarmloco.protocol.testing.fake import FakeNetwork
-
-
-@pytest.fixture
-def net() -> Iterator[FakeNetwork]:
-    with FakeNetwork() as n:  # this thread drives the peers: the virtual clock waits for it
-        yield n
 
 
 def test_a_ready_peer_in_another_view_does_not_hold_the_grace(net: FakeNetwork) -> None:

@@ -3,7 +3,7 @@ opens each of its shard pipes itself. The in-memory transport refuses every stre
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection, Iterator
+from collections.abc import Collection
 from types import SimpleNamespace
 
 import pytest
@@ -17,12 +17,6 @@ from swarmloco.protocol.round.matchmaking import Matchmaker
 from swarmloco.protocol.round.plans import Endpoint, Plan
 from swarmloco.protocol.round.schedule import view_leader
 from swarmloco.protocol.testing.fake import FakeNetwork, FakeTransport
-
-
-@pytest.fixture
-def net() -> Iterator[FakeNetwork]:
-    with FakeNetwork() as n:
-        yield n
 
 
 def _swarm_with_nat_peer(net: FakeNetwork) -> tuple[list, FakeTransport]:  # type: ignore[type-arg]

@@ -6,8 +6,6 @@ Each defence has its control: the plain mean lets the poison through, and the ch
 name the cheater (take one out and the test fails)."""
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from _fake_rounds import (
@@ -33,12 +31,6 @@ from swarmloco.protocol.testing.faults import FaultInjector
 
 pytestmark = pytest.mark.timeout(60)
 HONEST_MEAN = (1 + 2 + 3) / 3  # members 0..2 send Δ = i + 1 everywhere, with equal tokens
-
-
-@pytest.fixture
-def net() -> Iterator[FakeNetwork]:
-    with FakeNetwork() as n:
-        yield n
 
 
 def _with_attacker(net: FakeNetwork, spec: str, **cfg: object) -> tuple[list, list]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -35,12 +34,6 @@ from swarmloco.protocol.testing.fake import FakeNetwork
 from swarmloco.protocol.trust.admission import Gate
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def net() -> Iterator[FakeNetwork]:
-    with FakeNetwork() as n:
-        yield n
 
 
 def test_three_peers_commit_the_same_token_weighted_average_with_a_certificate(net: FakeNetwork) -> None:

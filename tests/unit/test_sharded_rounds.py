@@ -4,7 +4,6 @@ everyone: nobody keeps an average with a hole in it."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -19,12 +18,6 @@ from swarmloco.protocol.round.schedule import view_leader
 from swarmloco.protocol.testing.fake import FakeNetwork
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def net() -> Iterator[FakeNetwork]:
-    with FakeNetwork() as n:
-        yield n
 
 
 def test_eight_members_each_reduce_one_shard_and_agree_bit_for_bit(net: FakeNetwork) -> None:

@@ -4,7 +4,6 @@ expire. With an authority checkpoint naming the honest peers' seniority they wei
 keep committing. Each attack has its control: without the checkpoint the same sybils stop the round."""
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -94,12 +93,6 @@ def test_only_seniors_lead_views_and_move_peers_to_later_ones() -> None:
 
 
 # --- real rounds on the in-memory transport ------------------------------------------------------------------------
-@pytest.fixture
-def net() -> Iterator[FakeNetwork]:
-    with FakeNetwork() as n:
-        yield n
-
-
 @pytest.mark.parametrize("checkpointed", [True, False])
 def test_idle_sybils_at_the_honest_state_cannot_stop_the_round(net: FakeNetwork, checkpointed: bool) -> None:
     """Seven admitted identities publish ready records at the honest head and answer no join: counted, they make
