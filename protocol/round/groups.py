@@ -106,5 +106,6 @@ class Collecting:
     tickets: dict[str, bytes] = field(default_factory=dict)
     closed: bool = False
     quorum_at: float | None = None  # when the group first reached the size it needs (monotonic)
+    seen_ready: dict[str, float] = field(default_factory=dict)  # peers first seen ready in our view (monotonic)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())

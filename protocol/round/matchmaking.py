@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Collection
 
@@ -113,8 +114,8 @@ class Matchmaker:
                 views.see([r.eta for r in here.values() if r.ready], lookback_s=self.cfg.round_timeout_s)
                 decision = decide(me=me, views=views, here=here, seed=self.seed or state_hash,
                                   schedule=self.schedule, now=self.clock.time(),
-                                  eligible=self._eligible(here, weights),
-                                  weight=weights.say)
+                                  eligible=self._eligible(here, weights), weight=weights.say,
+                                  enough=functools.partial(weights.enough, active=active))
                 self.transport.update_record(view=decision.view)
                 if (decision.view, decision.leader) != last:
                     last = (decision.view, decision.leader)
@@ -187,15 +188,23 @@ class Matchmaker:
         """One look as the view's leader: close the group if quorum and grace allow, or once enough have joined
         and the view or our attempt at the round (`deadline`, monotonic) would end before our next look (`look`:
         what this one's read of the records took); else wait for a join or the next poll. The grace waits for
-        peers about to be ready, and for ready ones in our view; a ready peer in another view follows another
-        leader and is not waited for."""
+        peers about to be ready, and for ready ones in our view until they have had time to join: a peer that
+        waits for a group reads the records every POLL_S and joins us at its next look, so one that has been ready
+        in our view for four of those and has not joined is not coming (were it waited for to the grace's end, a
+        peer that says "ready" and never joins would cost every round the longest grace). A ready peer in another
+        view follows another leader and is not waited for at all."""
         collect = self._ensure_collecting(round_number, decision.view)
         now, wall = self.clock.monotonic(), self.clock.time()
+        for p, r in here.items():
+            if r.ready and r.view == decision.view:
+                collect.seen_ready.setdefault(p, now)
         group = [self.transport.peer_id, *collect.members]
         if weights.enough(group, active) and not self.hooks.hold_group(round_number):
             collect.quorum_at = collect.quorum_at or now
+            join_s = max(self.cfg.grace_min_s, 4 * (POLL_S + look))
             etas = [None if r.ready else max(0.0, r.eta - wall) for p, r in here.items()
-                    if p not in collect.members and not (r.ready and r.view != decision.view)]
+                    if p not in collect.members and not (r.ready and r.view != decision.view)
+                    and not (r.ready and now - collect.seen_ready.get(p, now) >= join_s)]
             if grace_over(waited=now - collect.quorum_at, etas=etas, cfg=self.cfg) or \
                     min(decision.until_end(wall), deadline - now) <= POLL_S + look:
                 return await self._close(collect, active, weights)

@@ -10,10 +10,14 @@ The leader of view v is, among the peers at the state that were ready by the vie
 `ready`, and their `eta` is when they became ready), the one whose hash of (seed, v, peer id) is lowest; where the
 run's authority has vouched for some of those peers, only they are drawn from (`swarmloco.protocol.round.weights`):
 admitted identities that never did verified work cannot lead views and let them expire. The cutoff
-is a short window (`ViewSchedule.window_s`) after the view began, or after the first peer became ready in it if
-nobody was ready when it began. A peer still training, or busy in an exchange, never leads: only a peer waiting for
-a group can gather one. Past the cutoff the candidates are fixed, so a peer that becomes ready later joins the
-view's leader instead of displacing it and dissolving the group it is gathering.
+is a short window (`ViewSchedule.window_s`) after the view began, or, if the ready peers were not yet enough to
+close a group then, after the moment they first were (taking them in the order they became ready). Until then no
+leader could close anyway, and drawing one early would hand the view to whoever says "ready" first: a peer that
+claims readiness the moment a state appears, without training, would be the only candidate of every view that
+begins while the others train, and could hold them in a group it never closes, round after round. A peer still
+training, or busy in an exchange, never leads: only a peer waiting for a group can gather one. Past the cutoff the
+candidates are fixed, so a peer that becomes ready later joins the view's leader instead of displacing it and
+dissolving the group it is gathering.
 
 The seed comes from the state's certificate, so no peer can choose its place, and each view draws a new order: a
 leader that stalls, crashes or lies costs its view, for every peer at once, and the next view has another leader.
@@ -34,6 +38,7 @@ one of them holds its members longest).
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -156,11 +161,13 @@ class Views:
 
 def decide(*, me: str, views: Views, here: Mapping[str, PeerRecord], seed: str, schedule: ViewSchedule,
            now: float, eligible: Callable[[Collection[str]], Collection[str]] = lambda peers: peers,
-           weight: Callable[[str], int] = lambda peer: 1) -> Decision:
+           weight: Callable[[str], int] = lambda peer: 1,
+           enough: Callable[[Collection[str]], bool] = lambda peers: True) -> Decision:
     """What to do now at our state. `here`: the credible, unbanned records of the other peers at our (round, hash).
     `eligible`: who among a view's candidates may lead it, and whose later views move us on (default: all of them;
     `swarmloco.protocol.round.weights.Weights.eligible` keeps the senior ones where there are any). `weight`: each
-    of those peers' say in moving us on (default: one each).
+    of those peers' say in moving us on (default: one each). `enough`: whether a set of peers could close a group
+    (default: any one peer could; `Weights.enough` among the active peers in a swarm).
     Updates `views.current` and the readiness times `views.etas`; the rest of `views` is read only."""
     since = views.ready_since({p: r for p, r in here.items() if p != me})  # the ready peers other than us
     view = max(schedule.at(now - views.anchor), views.floor, views.current)
@@ -170,14 +177,26 @@ def decide(*, me: str, views: Views, here: Mapping[str, PeerRecord], seed: str, 
     views.current = view
     began = views.anchor + schedule.start(view)
     ends_at = began + schedule.length(view)  # a view entered ahead of the schedule runs to its scheduled end
-    first = min([views.ready_at, *since.values()])
-    cutoff = max(began, first) + schedule.window_s
+    cutoff = max(began, _gathered({**since, me: views.ready_at}, enough)) + schedule.window_s
     candidates = [p for p, eta in since.items() if eta <= cutoff]
     if views.ready_at <= cutoff:
         candidates.append(me)
     # never empty: the first peer ready is always a candidate, and `eligible` keeps some of any non-empty set
     leader = view_leader(seed, view, eligible(candidates))
     return Decision(Action.LEAD if leader == me else Action.JOIN, view, leader, ends_at)
+
+
+def _gathered(ready: Mapping[str, float], enough: Callable[[Collection[str]], bool]) -> float:
+    """When the ready peers (peer -> the time it became ready) first were `enough` for a group, taken in the order
+    they became ready; infinity if they are not yet. `enough` only grows with its argument, so a binary search."""
+    order = sorted(ready, key=lambda p: (ready[p], p))
+    if not order or not enough(order):
+        return math.inf
+    low, high = 1, len(order)  # the shortest prefix that is enough
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if enough(order[:mid]) else (mid + 1, high)
+    return ready[order[low - 1]]
 
 
 def _half_ahead(me: str, view: int, here: Mapping[str, PeerRecord], voters: Collection[str],

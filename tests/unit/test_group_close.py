@@ -1,14 +1,19 @@
-"""When a view's leader stops waiting and closes its group, on the in-memory transport's virtual clock: the grace
-never waits for a peer that follows another leader, and a group that has enough members closes before the
-leader's attempt at the round runs out, whatever the grace still hoped for."""
+"""Who leads a view and when its leader stops waiting and closes its group, on the in-memory transport's virtual
+clock: a peer that says "ready" before the others are done training does not thereby lead the view they are ready
+in; the grace never waits for a peer that follows another leader, nor long for a ready one that does not join; and
+a group that has enough members closes before the leader's attempt at the round runs out, whatever the grace still
+hoped for."""
 from __future__ import annotations
 
-from _fake_rounds import H0, announce, by_rank, peers, whole_round
+from _fake_rounds import H0, Applied, announce, averager_for, by_rank, peers, run, whole_round
 
 from swarmloco.protocol.base.outcome import Outcome
 from swarmloco.protocol.base.records import MAX_VIEW
+from swarmloco.protocol.round.averager import RoundResult
+from swarmloco.protocol.round.groups import Group, RoundAborted
 from swarmloco.protocol.round.schedule import view_leader
 from swarmloco.protocol.testing.fake import FakeNetwork
+from swarmloco.protocol.testing.faults import FaultInjector
 
 
 def test_a_ready_peer_in_another_view_does_not_hold_the_grace(net: FakeNetwork) -> None:
@@ -38,3 +43,58 @@ def test_a_group_with_enough_members_closes_before_the_attempt_runs_out(net: Fak
     assert [r.outcome for r in results] == [Outcome.COMMITTED] * 2, [r.reason for r in results]
     assert {len(r.members) for r in results} == {2}
     assert all(a.head.round == 1 and a.head.state_hash != H0 for a in honest)
+
+
+def test_a_peer_ready_at_once_does_not_lead_the_view_the_others_become_ready_in(net: FakeNetwork) -> None:
+    """A holder (`lead=hold`: accepts members, never closes) says "ready" the moment the state appears; the three
+    honest peers train 5.5 s and are ready in view 1 (4 s to 12 s). Counted from the first readiness, view 1's
+    candidates were fixed at 5 s, with the holder alone among them: it led the view and held them to its end (the
+    round committed after 12 s). Drawn once three were ready, the view goes to an honest peer (this holder does not
+    win view 1's draw among all four), and the round commits at once, the holder contributing as a member."""
+    cfg = dict(quorum=3, grace_min_s=0.5, grace_max_s=2, round_timeout_s=30, view_s=4)
+    honest = peers(net, 3, **cfg)  # type: ignore[arg-type]
+    ids = [a.transport.peer_id for a in honest]
+    transport = net.peer()
+    while view_leader(H0, 1, [*ids, transport.peer_id]) == transport.peer_id:
+        transport = net.peer()
+    holder = averager_for(transport, hooks=FaultInjector.parse("lead=hold@*"), **cfg)  # type: ignore[arg-type]
+    announce(transport)
+    for a in honest:
+        announce(a.transport, ready=False, eta=net.clock.time() + 5.5)  # training
+    averagers, applied = [*honest, holder], [Applied() for _ in range(4)]
+    started = net.clock.monotonic()
+
+    def one(i: int) -> tuple[float, RoundResult | None]:
+        if averagers[i] is not holder:
+            net.sleep(5.5)
+        try:
+            found = averagers[i].find_group(0, H0).result(timeout=40)
+        except RoundAborted:  # the holder, where the group closed before it joined: its own views then expire
+            return net.clock.monotonic() - started, None
+        assert isinstance(found, Group), found
+        return net.clock.monotonic() - started, run(averagers[i], found, i, applied[i])
+
+    with net.pool(4) as pool:
+        holding = pool.submit(one, 3)  # ready first
+        done, results = zip(*pool.map(one, range(3)), strict=True)
+        held = holding.result()
+    assert [r.outcome for r in results if r] == [Outcome.COMMITTED] * 3, [r.reason for r in results if r]
+    assert {r.leader for r in results if r} == {view_leader(H0, 1, [*ids, transport.peer_id])}
+    assert max(done) < 7.5, done  # ready at 5.5 s
+    assert held[1] is None or held[1].outcome is Outcome.COMMITTED
+
+
+def test_a_ready_peer_in_our_view_that_never_joins_holds_the_grace_briefly(net: FakeNetwork) -> None:
+    """A stranger ready at our state and in our view, that joins nobody: the leader waits for it as long as a peer
+    that waits for a group takes to join (four polls here), not the longest grace (8 s)."""
+    honest = by_rank(peers(net, 3, quorum=2, grace_min_s=0.2, grace_max_s=8, round_timeout_s=60, view_s=30))
+    ids = [a.transport.peer_id for a in honest]
+    stranger = net.peer()
+    while view_leader(H0, 0, [*ids, stranger.peer_id]) == stranger.peer_id:  # not this test: it never leads
+        stranger = net.peer()
+    announce(stranger)
+    started = net.clock.monotonic()
+    results, _ = whole_round(honest)
+    took = net.clock.monotonic() - started
+    assert [r.outcome for r in results] == [Outcome.COMMITTED] * 3, [r.reason for r in results]
+    assert took < 2.5, took

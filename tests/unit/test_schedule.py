@@ -2,12 +2,22 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Collection
 
 from _records import H1, rec
 
 from swarmloco.protocol.base.records import MAX_VIEW
 from swarmloco.protocol.round.config import RoundConfig
-from swarmloco.protocol.round.schedule import DOUBLINGS, Action, Views, ViewSchedule, decide, view_leader, view_rank
+from swarmloco.protocol.round.schedule import (
+    DOUBLINGS,
+    Action,
+    Decision,
+    Views,
+    ViewSchedule,
+    decide,
+    view_leader,
+    view_rank,
+)
 
 SCHEDULE = ViewSchedule(base_s=2.0)
 PEERS = [f"peer-{i}" for i in range(4)]
@@ -173,3 +183,29 @@ def test_a_record_that_pushes_its_eta_later_cannot_slip_out_of_a_views_candidate
     again = decide(me=me, views=views, here={mover: rec(ready=True, eta=T0 + 1.7)}, seed=H1, schedule=SCHEDULE,
                    now=T0 + 1.8)
     assert (again.action, again.leader) == (Action.LEAD, me)
+
+
+def test_a_peer_ready_before_the_others_could_form_a_group_is_one_candidate_among_them() -> None:
+    """The staller says "ready" at T0, the moment the state appears; the three honest peers train and are ready at
+    T0 + 3, in view 1 (which began at T0 + 2). Counted from the first readiness, view 1's cutoff (T0 + 2.5) left the
+    staller its only candidate, as it would every view that begins while the others train. No group of 3 of 4
+    could close before the honest peers were ready, so the cutoff counts from the moment the ready peers were
+    enough: all four are drawn from, and every honest peer computes the same leader."""
+    staller, honest = PEERS[0], PEERS[1:]
+    etas = {staller: T0, **{p: T0 + 3.0 for p in honest}}
+
+    def enough(group: Collection[str]) -> bool:
+        return len(set(group)) >= 3
+
+    def look(me: str, now: float = T0 + 3.6, **kw: Callable[[Collection[str]], bool]) -> Decision:
+        here = {p: rec(ready=True, eta=eta) for p, eta in etas.items() if p != me and eta <= now}
+        return decide(me=me, views=_views(ready_at=etas[me], anchor=T0), here=here, seed=H1, schedule=SCHEDULE,
+                      now=now, **kw)
+
+    assert look(honest[0]).leader == staller  # counted from the first readiness (the default `enough`)
+    decisions = [look(me, enough=enough) for me in honest]
+    assert {(d.view, d.leader) for d in decisions} == {(1, view_leader(H1, 1, PEERS))}
+    # while the ready peers are not enough, the candidates stay open: whoever is ready is drawn from
+    etas.update({honest[1]: T0 + 3.5, honest[2]: T0 + 3.5})
+    assert look(honest[0], now=T0 + 3.1, enough=enough).leader == view_leader(H1, 1, [staller, honest[0]])
+    assert look(honest[0], enough=enough).leader == view_leader(H1, 1, PEERS)  # enough at T0 + 3.5: all four
