@@ -137,7 +137,7 @@ class Averager:
         async def apply() -> None:
             assert self.matchmaker is not None
             self.chain.set_head(head)
-            self.matchmaker.set_state(head.round, head.state_hash, head.seed)
+            self.matchmaker.set_state(head.round, head.state_hash, head.seed, proven=head.signers)
             if self.steps is not None:  # every certified state we held: what a stale Δ may be based on
                 self.steps.remember(head)
 

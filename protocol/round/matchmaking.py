@@ -66,6 +66,7 @@ class Matchmaker:
         self.schedule = ViewSchedule.of(cfg)
         self.handler_name = f"swarmloco/{transport.run_id}/avg/v{PROTOCOL_VERSION}"
         self.round, self.state_hash, self.seed = 0, "", ""
+        self.proven: frozenset[str] = frozenset()  # who signed our state's certificate
         self.refusals: list[str] = []  # why other peers refused us: each reason is logged once
         self.views: Views | None = None  # where we are in the view schedule of our state
         self._collect: Collecting | None = None
@@ -75,10 +76,12 @@ class Matchmaker:
     async def register(self) -> None:
         await self.transport.add_handler(self.handler_name, self._handle_join)
 
-    def set_state(self, round_number: int, state_hash: str, seed: str = "") -> None:
-        """The state we hold (joins are admitted against it) and its leader-order seed (default: its hash)."""
+    def set_state(self, round_number: int, state_hash: str, seed: str = "", proven: Collection[str] = ()) -> None:
+        """The state we hold (joins are admitted against it), its leader-order seed (default: its hash) and the
+        peers that signed its certificate (they lead its views where any of them is a candidate)."""
         if (round_number, state_hash) != (self.round, self.state_hash) or seed:
             self.seed = seed or state_hash
+            self.proven = frozenset(proven)
         self.round, self.state_hash = round_number, state_hash
 
     # --- finding or forming a group -------------------------------------------------------------------------------
@@ -165,17 +168,22 @@ class Matchmaker:
         return views
 
     def _eligible(self, here: dict[str, PeerRecord], weights: Weights) -> Callable[[Collection[str]], Collection[str]]:
-        """Who may lead a view: those `weights` allows (the senior peers, where a checkpoint names some), and among
+        """Who may lead a view: those `weights` allows (the senior peers, where a checkpoint names some); among
         them never a peer behind NAT (its record, or our transport, says nobody can dial it, so nobody could join
-        it), unless each of them is. A peer that claims to be unreachable only keeps itself from leading; claiming
-        it never lets a probationer lead in a senior's place."""
+        it), unless each of them is; and among those, the peers that signed our state's certificate, if any is a
+        candidate. A signer did the last round's work and stayed to its end; an identity that never takes part in
+        a round (it says "ready", and joins nobody or holds whoever joins it) then never leads one, and a peer
+        that just arrived leads once it has taken part. A peer that claims to be unreachable only keeps itself
+        from leading; claiming it never lets a probationer lead in a senior's place."""
         unreachable = {p for p, r in here.items() if not r.reachable}
         if not self.transport.reachable:
             unreachable.add(self.transport.peer_id)
+        proven = self.proven
 
         def eligible(peers: Collection[str]) -> Collection[str]:
             allowed = weights.eligible(peers)
-            return [p for p in allowed if p not in unreachable] or allowed
+            reachable = [p for p in allowed if p not in unreachable] or allowed
+            return [p for p in reachable if p in proven] or reachable
 
         return eligible
 

@@ -9,7 +9,9 @@ alike, whoever read them first.
 The leader of view v is, among the peers at the state that were ready by the view's cutoff (their records say
 `ready`, and their `eta` is when they became ready), the one whose hash of (seed, v, peer id) is lowest; where the
 run's authority has vouched for some of those peers, only they are drawn from (`swarmloco.protocol.round.weights`):
-admitted identities that never did verified work cannot lead views and let them expire. The cutoff
+admitted identities that never did verified work cannot lead views and let them expire; and among those, only the
+peers that signed the state's certificate, where any of them is a candidate (`Matchmaker._eligible`): a peer that
+took no part in the round that made the state leads none of its views. The cutoff
 is a short window (`ViewSchedule.window_s`) after the view began, or, if the ready peers were not yet enough to
 close a group then, after the moment they first were (taking them in the order they became ready). Until then no
 leader could close anyway, and drawing one early would hand the view to whoever says "ready" first: a peer that

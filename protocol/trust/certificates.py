@@ -237,11 +237,19 @@ class Head:
         cert = self.certificate
         if cert is None:
             return self.state_hash
-        body = cert.statement.body()
-        members = set(cert.statement.members)
-        valid = sorted(sig for signer, sig in cert.signatures.items()
-                       if signer in members and signed_by(signer, body, sig))
+        valid = sorted(cert.signatures[signer] for signer in self.signers)
         return hashlib.sha256("\n".join([self.state_hash, *valid]).encode()).hexdigest()
+
+    @property
+    def signers(self) -> frozenset[str]:
+        """The members whose signatures of the certificate are valid (nobody, for θ_0): the peers that contributed
+        to the round that made this state and stayed with it to the end."""
+        cert = self.certificate
+        if cert is None:
+            return frozenset()
+        body, members = cert.statement.body(), set(cert.statement.members)
+        return frozenset(signer for signer, sig in cert.signatures.items()
+                         if signer in members and signed_by(signer, body, sig))
 
     @classmethod
     def of(cls, certificate: Certificate) -> Head:

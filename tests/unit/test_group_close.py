@@ -98,3 +98,43 @@ def test_a_ready_peer_in_our_view_that_never_joins_holds_the_grace_briefly(net: 
     took = net.clock.monotonic() - started
     assert [r.outcome for r in results] == [Outcome.COMMITTED] * 3, [r.reason for r in results]
     assert took < 2.5, took
+
+
+def test_a_peer_that_did_not_sign_the_states_certificate_leads_none_of_its_views(net: FakeNetwork) -> None:
+    """Three peers certify θ_1; a holder arrives at θ_1, ready at once, ranked first of the four in view 0. A peer
+    that took no part in the round that made the state leads none of its views while a signer is a candidate: an
+    honest signer leads view 0 and the round commits at once (led by the holder, it lasted to the view's end)."""
+    cfg = dict(quorum=3, grace_min_s=0.5, grace_max_s=2, round_timeout_s=30, view_s=4)
+    honest = peers(net, 3, **cfg)  # type: ignore[arg-type]
+    first, _ = whole_round(honest)
+    assert [r.outcome for r in first] == [Outcome.COMMITTED] * 3, [r.reason for r in first]
+    head = honest[0].head
+    ids = [a.transport.peer_id for a in honest]
+    assert head.signers == set(ids)
+    for a in honest:
+        announce(a.transport, head.round, head.state_hash)
+    transport = net.peer()
+    while view_leader(head.seed, 0, [*ids, transport.peer_id]) != transport.peer_id:
+        transport = net.peer()
+    holder = averager_for(transport, hooks=FaultInjector.parse("lead=hold@*"), **cfg)  # type: ignore[arg-type]
+    holder.set_state(head)
+    announce(transport, head.round, head.state_hash)
+    averagers, applied = [*honest, holder], [Applied() for _ in range(4)]
+    started = net.clock.monotonic()
+
+    def one(i: int) -> tuple[float, RoundResult | None]:
+        try:
+            found = averagers[i].find_group(head.round, head.state_hash).result(timeout=40)
+        except RoundAborted:  # the holder, if the group closed before it joined
+            return net.clock.monotonic() - started, None
+        assert isinstance(found, Group), found
+        return net.clock.monotonic() - started, run(averagers[i], found, i, applied[i])
+
+    with net.pool(4) as pool:
+        holding = pool.submit(one, 3)
+        done, results = zip(*pool.map(one, range(3)), strict=True)
+        held = holding.result()
+    assert [r.outcome for r in results if r] == [Outcome.COMMITTED] * 3, [r.reason for r in results if r]
+    assert {r.leader for r in results if r} == {view_leader(head.seed, 0, ids)}
+    assert max(done) < 2, done
+    assert held[1] is None or held[1].outcome is Outcome.COMMITTED

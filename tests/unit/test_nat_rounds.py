@@ -82,17 +82,23 @@ def test_who_dials_whom() -> None:
 
 def test_being_dialable_never_outranks_seniority() -> None:
     """The NAT rule narrows the leaders `weights` allows; it never widens them: where the only senior candidate is
-    behind NAT, it still leads rather than a dialable probationer (who may be one of a stranger's free identities)."""
+    behind NAT, it still leads rather than a dialable probationer (who may be one of a stranger's free identities).
+    The signers of the state's certificate are preferred among what is left, never over it."""
 
     class Seniors:
         @staticmethod
         def eligible(peers: Collection[str]) -> Collection[str]:
             return [p for p in peers if p.startswith("senior")] or peers
 
-    me = SimpleNamespace(transport=SimpleNamespace(reachable=True, peer_id="me"))
+    me = SimpleNamespace(transport=SimpleNamespace(reachable=True, peer_id="me"), proven=frozenset())
     here = {"senior-nat": rec(reachable=False), "senior-pub": rec(), "sybil": rec(), "sybil-nat": rec(reachable=False)}
     eligible = Matchmaker._eligible(me, here, Seniors())  # type: ignore[arg-type]
     assert list(eligible(["senior-nat", "sybil", "senior-pub"])) == ["senior-pub"]
     assert list(eligible(["senior-nat", "sybil"])) == ["senior-nat"]
     assert list(eligible(["sybil-nat", "sybil", "me"])) == ["sybil", "me"]
     assert list(eligible(["sybil-nat"])) == ["sybil-nat"]  # nobody dialable: someone must lead
+    me.proven = frozenset({"sybil", "senior-nat"})  # they signed our state's certificate
+    eligible = Matchmaker._eligible(me, here, Seniors())  # type: ignore[arg-type]
+    assert list(eligible(["sybil-nat", "sybil", "me"])) == ["sybil"]
+    assert list(eligible(["senior-nat", "senior-pub"])) == ["senior-pub"]  # dialable first, then proven
+    assert list(eligible(["sybil-nat", "me"])) == ["me"]  # no signer among the candidates: all of them
