@@ -16,6 +16,8 @@ from swarmloco.peer.replica import Replica
 from swarmloco.peer.run_model import fingerprint_config
 from swarmloco.protocol.base.hashing import StateLayout, pack_state, state_hash, state_layout, unpack_state
 from swarmloco.protocol.base.records import PeerRecord, fingerprint
+from swarmloco.protocol.base.text import short_hash
+from swarmloco.protocol.chain.chain import Chain
 from swarmloco.protocol.chain.config import FetchConfig
 from swarmloco.protocol.chain.forks import Behind
 from swarmloco.protocol.chain.state_sync import StateSyncError, download_state
@@ -85,6 +87,37 @@ def parse_blob(
 def layout_of(replica: Replica) -> StateLayout:
     """What a certified state hash of this model commits to besides its chunks (checked before any download)."""
     return state_layout(_shapes(replica), replica.names)
+
+
+def progress_kept(target: Behind, *, round_number: int, state_hash: str, me: str, steps: int, staleness: int,
+                  max_staleness: int) -> tuple[bool, bool]:
+    """Whether a peer at (`round_number`, `state_hash`) that trained `steps` inner steps keeps its progress as a
+    stale contribution (`staleness` rounds old once adopted) when it adopts `target`; and whether that progress is
+    already merged in `target` (its certificate, one round on from our state, names us as a member: we voted but
+    missed the certificate). A kept Δ is merged later only where the group knows its base, a certified state of
+    their chain: a target at our round, or one round on but not from our state, is another fork, whose peers never
+    held our state and would refuse the Δ in every round we offered it (a swarm healed from a split livelocked so)."""
+    cert = target.certificate
+    next_round = cert is not None and target.round == round_number + 1 and cert.statement.prev_hash == state_hash
+    ours = next_round and cert is not None and me in cert.statement.members
+    fork = target.round <= round_number + 1 and not next_round
+    return steps > 0 and staleness <= max_staleness and not (ours or fork), ours
+
+
+def distrust(node: Transport, chain: Chain, target: Behind, problem: str, *, timeout: float) -> list[str]:
+    """Never adopt `target`, and distrust whoever claimed or signed it (on the node's loop, where the chain's tables
+    live); returns those peers."""
+    cert = target.certificate
+    signers = set(cert.signatures) & set(cert.statement.members) if cert is not None else set()
+    peers = sorted(set(target.donors) | signers)
+    logger.error("not adopting round %d %s…: %s; distrusting its %d claimant(s) and signer(s)", target.round,
+                 short_hash(target.state_hash), problem, len(peers))
+
+    async def refuse() -> None:
+        chain.refuse(target.round, target.state_hash, peers)
+
+    node.call(refuse(), timeout=timeout)
+    return peers
 
 
 @torch.no_grad()

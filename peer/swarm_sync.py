@@ -6,7 +6,7 @@ ourselves ready and keep training while a group forms, then let the averager run
 A round counts only with its commit certificate: without one the peer rolls its outer step back and keeps its local
 progress for the next round. A peer that is behind — another peer shows a certified state that outranks its own —
 downloads that state, verified by hash and checked finite, keeping its recent progress as a discounted stale
-contribution.
+contribution where the others can merge it (`swarm_state.progress_kept`).
 """
 from __future__ import annotations
 
@@ -27,12 +27,14 @@ from swarmloco.peer.replica import Replica
 from swarmloco.peer.round_reports import RoundReports
 from swarmloco.peer.signals import StopFlag
 from swarmloco.peer.swarm_state import (
+    distrust,
     fetch_state,
     flatten,
     genesis_hash,
     linger_for_peers,
     local_model,
     parse_blob,
+    progress_kept,
     rebase,
     resumed_head,
     state_blob,
@@ -58,6 +60,7 @@ logger = logging.getLogger(__name__)
 PEEK_S = 0.5  # while training, how often a peer looks whether a group for its round is forming
 ETA_EVERY_S = 1.0  # how often the training thread refreshes its ready-time estimate in its record
 RECORDS_TIMEOUT_S = 30.0
+STALE_TRIES = 3  # rounds in a row that may discard our kept progress before we drop it
 
 
 class IncompatibleSwarm(RuntimeError):
@@ -77,6 +80,7 @@ class SwarmSync:
         self.node = SwarmNode(self.net, credentials=self.admission.credentials, gate=self.admission.gate)
         self.reports = RoundReports(cfg.run.coordinator, identity, self.net.run_id)
         self.staleness = self.bytes_sent = self.bytes_received = 0
+        self.stale_tries = 0  # rounds discarded in a row while we offered progress kept across a resync
         self.state_hash = ""
         self.head: Head | None = None
         self.refused: tuple[int, str] | None = None  # the last state we downloaded and refused to adopt
@@ -176,13 +180,11 @@ class SwarmSync:
             self._refuse(target, verdict)
             return False
         staleness = self.staleness + max(1, target.round - r.round)
-        # Our contribution is already in a state certified right after ours (we voted, but missed the certificate).
-        ours = target.certificate is not None and target.round == r.round + 1 and \
-            self.node.peer_id in target.certificate.statement.members
-        keep = r.round_steps > 0 and staleness <= self.cfg.round.max_staleness and not ours
+        keep, ours = progress_kept(target, round_number=r.round, state_hash=self.state_hash, me=self.node.peer_id,
+                                   steps=r.round_steps, staleness=staleness, max_staleness=self.cfg.round.max_staleness)
         self.reports.resynced(0 if keep or ours else r.round_tokens)  # neither merged nor kept: wasted
         rebase(r, params, momentum, target.round, keep_progress=keep)
-        self.staleness = staleness if keep else 0
+        self.staleness, self.stale_tries = (staleness if keep else 0), 0
         self.loop.progress.event(
             "resync",
             round=target.round,
@@ -199,16 +201,7 @@ class SwarmSync:
     def _refuse(self, target: Behind, verdict: Verdict) -> None:
         """Never adopt this state, and distrust whoever claimed or signed it."""
         self.refused = (target.round, target.state_hash)
-        cert = target.certificate
-        signers = set(cert.signatures) & set(cert.statement.members) if cert is not None else set()
-        peers = sorted(set(target.donors) | signers)
-        logger.error("not adopting round %d %s…: %s; distrusting its %d claimant(s) and signer(s)", target.round,
-                     short_hash(target.state_hash), verdict.problem, len(peers))
-
-        async def refuse() -> None:  # the chain's tables live on the loop
-            self.averager.chain.refuse(target.round, target.state_hash, peers)
-
-        self.node.call(refuse(), timeout=RECORDS_TIMEOUT_S)
+        peers = distrust(self.node, self.averager.chain, target, verdict.problem, timeout=RECORDS_TIMEOUT_S)
         self.loop.progress.event("refused", round=target.round, state_hash=short_hash(target.state_hash),
                                  why=verdict.problem, loss=finite_or_none(verdict.new_loss),
                                  own_loss=finite_or_none(verdict.own_loss), distrusted=peers)
@@ -320,6 +313,13 @@ class SwarmSync:
         if result.outcome == Outcome.DISCARDED:
             self.node.update_record(ready=False)
             self.log_round({**entry, "reason": result.reason})
+            self.stale_tries = self.stale_tries + 1 if self.staleness else 0
+            if self.stale_tries >= STALE_TRIES:
+                # Progress kept across a resync that no group merges: its base may be a state the others never
+                # held (we resynced across a fork further back than we could tell). Train afresh from θ_r.
+                self.reports.resynced(r.round_tokens)  # wasted
+                r.reset_local()
+                self.staleness = self.stale_tries = 0
             return
         self.bytes_sent += result.bytes_sent
         self.bytes_received += result.bytes_received

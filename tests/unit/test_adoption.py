@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +13,13 @@ from swarmloco.peer.model import GPT, GPTConfig
 from swarmloco.peer.outer import outer_step
 from swarmloco.peer.outer_config import OuterConfig
 from swarmloco.peer.replica import Replica
+from swarmloco.peer.swarm_state import progress_kept
+from swarmloco.peer.swarm_sync import STALE_TRIES, SwarmSync
 from swarmloco.peer.task import Batch, Task, lm_loss
+from swarmloco.protocol.base.outcome import Outcome
+from swarmloco.protocol.chain.forks import Behind
+from swarmloco.protocol.round.averager import RoundResult
+from swarmloco.protocol.trust.certificates import Certificate, Statement
 
 CFG = GPTConfig(context=16, d_model=32, n_layers=1, n_heads=2)
 # A sequence a small model learns in a few dozen steps: the held-out loss really falls with training.
@@ -127,3 +134,56 @@ def test_each_peer_judges_on_batches_of_its_own() -> None:
 def test_bad_settings_are_refused_with_their_name(kw: dict[str, float]) -> None:
     with pytest.raises(ConfigError, match="adopt_"):
         AdoptConfig(**kw)
+
+
+def test_progress_is_kept_across_a_resync_only_where_the_others_can_merge_it() -> None:
+    """A peer at round 1 (hash "a"), 5 inner steps into its round, adopts a certified state. Its Δ survives as a stale
+    contribution only where the group knows the Δ's base: not across forks (a split swarm's lighter half, healed,
+    offered Δs based on its own round 1 that the heavier half refused in every round, forever)."""
+    def target(round_number: int, prev: str, members: tuple[str, ...] = ("x", "y")) -> Behind:
+        statement = Statement(run_id="r", round=round_number, prev_hash=prev, new_hash="c" * 64, members=members,
+                              weights=(1,) * len(members), swarm=2, work=10)
+        return Behind(round=round_number, state_hash="c" * 64, donors=["x"], certificate=Certificate(statement))
+
+    def kept(t: Behind, **kw: int) -> tuple[bool, bool]:
+        args = {"steps": 5, "staleness": t.round - 1, "max_staleness": 2, **kw}
+        return progress_kept(t, round_number=1, state_hash="a" * 64, me="me", **args)
+
+    assert kept(target(2, "a" * 64)) == (True, False)  # the next round from our state: its peers held ours
+    assert kept(target(2, "a" * 64, ("me", "x"))) == (False, True)  # our Δ is in it already
+    assert kept(target(2, "b" * 64)) == (False, False)  # one round on, another fork
+    assert kept(target(1, "0" * 64)) == (False, False)  # our round, another hash: another fork
+    assert kept(target(3, "b" * 64)) == (True, False)  # further on: its chain may hold our state; staleness bounds it
+    assert kept(target(3, "b" * 64), max_staleness=1) == (False, False)
+    assert kept(target(2, "a" * 64), steps=0) == (False, False)  # nothing trained, nothing to keep
+
+
+def test_kept_progress_that_no_group_merges_is_dropped_after_a_few_discarded_rounds() -> None:
+    """Kept across a resync whose fork we could not tell (the target was two rounds on), a Δ whose base the group
+    never held is refused in every round: each is discarded, and the peer offered the same Δ again at once. After
+    STALE_TRIES discarded rounds in a row it trains afresh from θ_r instead; fresh progress is never dropped so."""
+    replica = _replica()
+    for _ in range(3):
+        replica.inner_step()
+    wasted: list[int] = []
+    sync = SwarmSync.__new__(SwarmSync)
+    sync.replica, sync.staleness, sync.stale_tries = replica, 2, 0
+    sync.node = SimpleNamespace(update_record=lambda **kw: None)  # type: ignore[assignment]
+    sync.reports = SimpleNamespace(resynced=wasted.append)  # type: ignore[assignment]
+    sync.log_round = lambda entry, **kw: None  # type: ignore[method-assign]
+    refused = RoundResult(outcome=Outcome.DISCARDED, round=0, leader="x", role="member",
+                          reason="its Δ is based on round 1, a state we do not know as certified")
+    sync.averager = SimpleNamespace(run_round=lambda *a, **kw: refused)  # type: ignore[assignment]
+    group = SimpleNamespace(view=0)
+    for _ in range(STALE_TRIES - 1):
+        sync.average(group, {})  # type: ignore[arg-type]
+        assert (replica.round_steps, sync.staleness) == (3, 2)
+    tokens = replica.round_tokens
+    sync.average(group, {})  # type: ignore[arg-type]
+    assert (replica.round_steps, sync.staleness, wasted) == (0, 0, [tokens]) and tokens > 0
+    assert all(torch.equal(p, replica.global_params[n]) for n, p in replica.local_params().items())
+    for _ in range(3):
+        replica.inner_step()
+    for _ in range(2 * STALE_TRIES):  # fresh progress (staleness 0): a discarded round keeps it for the next
+        sync.average(group, {})  # type: ignore[arg-type]
+    assert replica.round_steps == 3
