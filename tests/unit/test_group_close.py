@@ -5,31 +5,37 @@ a group that has enough members closes before the leader's attempt at the round 
 hoped for."""
 from __future__ import annotations
 
+import pytest
 from _fake_rounds import H0, Applied, announce, averager_for, by_rank, peers, run, whole_round
 
 from swarmloco.protocol.base.outcome import Outcome
 from swarmloco.protocol.base.records import MAX_VIEW
-from swarmloco.protocol.round.averager import RoundResult
+from swarmloco.protocol.round.averager import Averager, RoundResult
 from swarmloco.protocol.round.groups import Group, RoundAborted
 from swarmloco.protocol.round.schedule import view_leader
 from swarmloco.protocol.testing.fake import FakeNetwork
 from swarmloco.protocol.testing.faults import FaultInjector
+from swarmloco.protocol.trust.certificates import Head
 
 
-def test_a_ready_peer_in_another_view_does_not_hold_the_grace(net: FakeNetwork) -> None:
-    """A stranger ready at our state that says it is in a far view, and joins nobody: the group closes after the
-    short grace. Waited for like a ready peer of our view, it cost every round the longest grace (8 s here)."""
+@pytest.mark.parametrize(("view", "bound"), [(MAX_VIEW, 4.0), (0, 2.5)], ids=["another view", "our view"])
+def test_a_ready_peer_that_never_joins_holds_the_grace_briefly_or_not_at_all(net: FakeNetwork, view: int,
+                                                                             bound: float) -> None:
+    """A stranger ready at our state that joins nobody. In another view (here the last) it follows another leader
+    and is not waited for: the group closes after the short grace. In our view it is waited for as long as a peer
+    that waits for a group takes to join (four polls here). Waited for like a peer about to join, it cost every
+    round the longest grace (8 s here)."""
     honest = by_rank(peers(net, 3, quorum=2, grace_min_s=0.2, grace_max_s=8, round_timeout_s=60, view_s=30))
     ids = [a.transport.peer_id for a in honest]
     stranger = net.peer()
     while view_leader(H0, 0, [*ids, stranger.peer_id]) == stranger.peer_id:  # not this test: it never leads
         stranger = net.peer()
-    announce(stranger, view=MAX_VIEW)
+    announce(stranger, view=view)
     started = net.clock.monotonic()
     results, _ = whole_round(honest)
     took = net.clock.monotonic() - started
     assert [r.outcome for r in results] == [Outcome.COMMITTED] * 3, [r.reason for r in results]
-    assert took < 4, took
+    assert took < bound, took
 
 
 def test_a_group_with_enough_members_closes_before_the_attempt_runs_out(net: FakeNetwork) -> None:
@@ -61,43 +67,10 @@ def test_a_peer_ready_at_once_does_not_lead_the_view_the_others_become_ready_in(
     announce(transport)
     for a in honest:
         announce(a.transport, ready=False, eta=net.clock.time() + 5.5)  # training
-    averagers, applied = [*honest, holder], [Applied() for _ in range(4)]
-    started = net.clock.monotonic()
-
-    def one(i: int) -> tuple[float, RoundResult | None]:
-        if averagers[i] is not holder:
-            net.sleep(5.5)
-        try:
-            found = averagers[i].find_group(0, H0).result(timeout=40)
-        except RoundAborted:  # the holder, where the group closed before it joined: its own views then expire
-            return net.clock.monotonic() - started, None
-        assert isinstance(found, Group), found
-        return net.clock.monotonic() - started, run(averagers[i], found, i, applied[i])
-
-    with net.pool(4) as pool:
-        holding = pool.submit(one, 3)  # ready first
-        done, results = zip(*pool.map(one, range(3)), strict=True)
-        held = holding.result()
-    assert [r.outcome for r in results if r] == [Outcome.COMMITTED] * 3, [r.reason for r in results if r]
-    assert {r.leader for r in results if r} == {view_leader(H0, 1, [*ids, transport.peer_id])}
-    assert max(done) < 7.5, done  # ready at 5.5 s
-    assert held[1] is None or held[1].outcome is Outcome.COMMITTED
-
-
-def test_a_ready_peer_in_our_view_that_never_joins_holds_the_grace_briefly(net: FakeNetwork) -> None:
-    """A stranger ready at our state and in our view, that joins nobody: the leader waits for it as long as a peer
-    that waits for a group takes to join (four polls here), not the longest grace (8 s)."""
-    honest = by_rank(peers(net, 3, quorum=2, grace_min_s=0.2, grace_max_s=8, round_timeout_s=60, view_s=30))
-    ids = [a.transport.peer_id for a in honest]
-    stranger = net.peer()
-    while view_leader(H0, 0, [*ids, stranger.peer_id]) == stranger.peer_id:  # not this test: it never leads
-        stranger = net.peer()
-    announce(stranger)
-    started = net.clock.monotonic()
-    results, _ = whole_round(honest)
-    took = net.clock.monotonic() - started
+    done, results = _with_holder(net, honest, holder, Head(0, H0), honest_after=5.5)
     assert [r.outcome for r in results] == [Outcome.COMMITTED] * 3, [r.reason for r in results]
-    assert took < 2.5, took
+    assert {r.leader for r in results} == {view_leader(H0, 1, [*ids, transport.peer_id])}
+    assert max(done) < 7.5, done  # ready at 5.5 s
 
 
 def test_a_peer_that_did_not_sign_the_states_certificate_leads_none_of_its_views(net: FakeNetwork) -> None:
@@ -119,22 +92,34 @@ def test_a_peer_that_did_not_sign_the_states_certificate_leads_none_of_its_views
     holder = averager_for(transport, hooks=FaultInjector.parse("lead=hold@*"), **cfg)  # type: ignore[arg-type]
     holder.set_state(head)
     announce(transport, head.round, head.state_hash)
-    averagers, applied = [*honest, holder], [Applied() for _ in range(4)]
+    done, results = _with_holder(net, honest, holder, head)
+    assert [r.outcome for r in results] == [Outcome.COMMITTED] * 3, [r.reason for r in results]
+    assert {r.leader for r in results} == {view_leader(head.seed, 0, ids)}
+    assert max(done) < 2, done
+
+
+def _with_holder(net: FakeNetwork, honest: list[Averager], holder: Averager, head: Head, *,
+                 honest_after: float = 0.0) -> tuple[list[float], list[RoundResult]]:
+    """Every peer looks for a group at `head` and runs the round, each on its own thread: the holder at once, the
+    honest peers `honest_after` seconds later. Returns when each honest peer's round ended (from the holder's
+    start) and their results. The holder's own round, if it joined a group at all, commits like theirs."""
+    averagers, applied = [*honest, holder], [Applied() for _ in range(len(honest) + 1)]
     started = net.clock.monotonic()
 
     def one(i: int) -> tuple[float, RoundResult | None]:
+        if averagers[i] is not holder:
+            net.sleep(honest_after)
         try:
             found = averagers[i].find_group(head.round, head.state_hash).result(timeout=40)
-        except RoundAborted:  # the holder, if the group closed before it joined
+        except RoundAborted:  # the holder, where the group closed before it joined: its own views then expire
             return net.clock.monotonic() - started, None
         assert isinstance(found, Group), found
         return net.clock.monotonic() - started, run(averagers[i], found, i, applied[i])
 
-    with net.pool(4) as pool:
-        holding = pool.submit(one, 3)
-        done, results = zip(*pool.map(one, range(3)), strict=True)
-        held = holding.result()
-    assert [r.outcome for r in results if r] == [Outcome.COMMITTED] * 3, [r.reason for r in results if r]
-    assert {r.leader for r in results if r} == {view_leader(head.seed, 0, ids)}
-    assert max(done) < 2, done
-    assert held[1] is None or held[1].outcome is Outcome.COMMITTED
+    with net.pool(len(averagers)) as pool:
+        holding = pool.submit(one, len(honest))  # ready first
+        out = list(pool.map(one, range(len(honest))))
+        held = holding.result()[1]
+    assert held is None or held.outcome is Outcome.COMMITTED, held.reason
+    assert all(r is not None for _, r in out), "an honest peer found no group"
+    return [t for t, _ in out], [r for _, r in out if r is not None]
