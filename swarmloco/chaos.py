@@ -129,15 +129,15 @@ class ChaosRun:
         self.started.append(proc)
         return proc
 
-    def start_claimant(self, index: int) -> subprocess.Popen[bytes]:
-        """An admitted peer that claims a far newer state and never answers for it (swarmloco.chaos_hostile)."""
-        workdir = self.root / f"claimant-{index}"
+    def start_hostile(self, kind: str, index: int) -> subprocess.Popen[bytes]:
+        """An admitted peer that is never honest: a `claimant` or a `holder` (swarmloco.chaos_hostile)."""
+        workdir = self.root / f"{kind}-{index}"
         workdir.mkdir(parents=True, exist_ok=True)
-        argv = [sys.executable, "-m", "swarmloco.chaos_hostile", "claimant", "--run-id", self.cfg.run_id,
+        argv = [sys.executable, "-m", "swarmloco.chaos_hostile", kind, "--run-id", self.cfg.run_id,
                 "--authority-key", str(self.root / AUTHORITY_KEY), "--workdir", str(workdir)]
         for maddr in self.bootstrap:
             argv += ["--initial-peer", maddr]
-        with open(workdir / "claimant.log", "ab") as log:
+        with open(workdir / f"{kind}.log", "ab") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=log, env=self.env, start_new_session=True)
         self.started.append(proc)
         return proc

@@ -36,7 +36,7 @@ class ChaosTarget(Protocol):
 
     def start_burner(self) -> subprocess.Popen[bytes]: ...
 
-    def start_claimant(self, index: int) -> subprocess.Popen[bytes]: ...
+    def start_hostile(self, kind: str, index: int) -> subprocess.Popen[bytes]: ...
 
     def stop_process(self, proc: subprocess.Popen[bytes]) -> None: ...
 
@@ -164,7 +164,16 @@ class SilentClaimants(Burners):
     kind: str = "claimant"
 
     def start(self, run: ChaosTarget, index: int) -> subprocess.Popen[bytes]:
-        return run.start_claimant(index)
+        return run.start_hostile(self.kind, index)
+
+
+@dataclass(kw_only=True)
+class ReadyHolder(SilentClaimants):
+    """An admitted peer, ready at the honest peers' newest state the moment it appears and in their view, that trains
+    nothing and holds whoever joins it in a group it never closes, for the whole run."""
+
+    count: int = 1
+    kind: str = "holder"
 
 
 @dataclass(kw_only=True)
@@ -245,6 +254,8 @@ SCENARIOS: dict[str, Scenario] = {
                  make=lambda quick, seed: Steady(), faults=((0, "lead=hold@*"),)),
         Scenario(name="reducer-withholder", help="one peer that, as a reducer, never sends its reduced shard",
                  make=lambda quick, seed: Steady(), faults=((3, "reduce=withhold@*"),)),
+        Scenario(name="ready-holder", help="one admitted peer, ready at every new state at once, that holds whoever "
+                 "joins it and trains nothing", make=lambda quick, seed: ReadyHolder()),
         Scenario(name="silent-claimants", help="three admitted peers claim a far newer state and never answer",
                  make=lambda quick, seed: SilentClaimants()),
         Scenario(name="partition-2-2", help="cut the links between two halves of the swarm for 60 s (12 s with "
