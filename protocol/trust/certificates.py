@@ -11,6 +11,7 @@ peer ids, tickets against the run's authority (`swarmloco.protocol.trust.admissi
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -240,10 +241,11 @@ class Head:
         valid = sorted(cert.signatures[signer] for signer in self.signers)
         return hashlib.sha256("\n".join([self.state_hash, *valid]).encode()).hexdigest()
 
-    @property
+    @functools.cached_property
     def signers(self) -> frozenset[str]:
         """The members whose signatures of the certificate are valid (nobody, for θ_0): the peers that contributed
-        to the round that made this state and stayed with it to the end."""
+        to the round that made this state and stayed with it to the end. Checked once per head: `seed` and the
+        matchmaker both read it whenever a peer takes a new state."""
         cert = self.certificate
         if cert is None:
             return frozenset()
