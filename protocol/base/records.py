@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-PROTOCOL_VERSION = 9  # 9: the audit's probes are BLAKE3 half-integers (peers of 8 would convict honest reducers)
+PROTOCOL_VERSION = 10  # 10: one audit probe for all shards (peers of 9 draw others and convict honest reducers)
 MAX_VIEW = 2**20  # views of one round; at the capped view length, weeks
 MAX_CONFIG_JSON = 4096
 MAX_RECORD_TTL_S = 300.0  # a record lives at most this long past its signing: a silent peer drops out in minutes

@@ -2,18 +2,19 @@
 
 A reducer's signed result says "shard j = Σ coeff_i × part_i" over the settled contributors' parts. Checking it
 directly would mean moving every part to every member. Instead, once every result is fixed, the members draw
-random probes R_j and compare scalars: each contributor i publishes <R_j, its own part of shard j> for every j,
-signed, and every member checks <R_j, result_j> against Σ coeff_i <R_j, part_i>. A wrong result fails that test
-unless its error happens to be orthogonal to a probe it could not know when it sent the result.
+random probes R and compare scalars: each contributor i publishes <R, its own part of shard j> for every j,
+signed, and every member checks <R, result_j> against Σ coeff_i <R, part_i> (R cut to shard j's length). A wrong
+result fails that test unless its error happens to be orthogonal to a probe it could not know when it sent it.
 
 The steps, each one frame on every shard connection:
 1. Reveal. The nonce behind each member's audit commitment (its claim carried sha256 of it), with the signed header
    of every result it received. The probes' seed is drawn from all nonces, so no reducer knew it in advance. Two
    different signed headers for one shard prove that its reducer equivocated.
 2. Sketch. Each member's signed sketches of its own parts, every shard.
-3. Verdict. Each reducer checks the sketches of its shard against the parts it holds. A contributor whose sketch
-   does not match is accused, with its signed part as evidence anyone can recompute. Otherwise the reducer signs
-   "every sketch matches", so a combination that then fails is proof that the reducer lied.
+3. Verdict. Each reducer checks the sketches of its shard against the parts it holds (`_our_verdict`: at once
+   when they combine to its own result, part by part when not). A contributor whose sketch does not match is
+   accused, with its signed part as evidence anyone can recompute. Otherwise the reducer signs "every sketch
+   matches", so a combination that then fails is proof that the reducer lied.
 
 When the round scores contributions (`AuditCase.probe`), each member also computes g, the loss gradient at θ_r on
 held-out batches the seed picks, and every sketch carries one more value per shard, <g_j, part>: checked by the
@@ -28,9 +29,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
-import os
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -62,9 +61,6 @@ from swarmloco.protocol.trust.payloads import (
 )
 
 M = TypeVar("M", bound=Message)
-# Each shard's sketches are independent (their own probes), and BLAKE3 and torch's float64 dots release the GIL: a
-# member sketches its shards on up to this many cores at once.
-_SKETCH = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="swarmloco-sketch")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,19 +126,13 @@ async def audit(case: AuditCase, pipes: dict[str, Pipe], *, timeout: float) -> F
         return found
     seed = hashlib.sha256(case.plan_id + b"".join(nonces[p] for p in plan.members)).digest()
 
-    def sketch_all() -> tuple[list[list[float]], list[list[float]], dict[str, list[float]], _Gradient | None]:
+    def sketch_all() -> tuple[list[list[float]], list[list[float]], _Gradient | None]:
         grad = _Gradient.of(case, seed)
-        others = [p for p in case.settled if p != me]
+        tensors = [[case.own[j], case.average[plan.shard(j)]] for j in range(n)]
+        outs = sketches(seed, q, tensors, None if grad is None else grad.shards, parallel=True)
+        return [out[0] for out in outs], [out[1] for out in outs], grad
 
-        def one(j: int) -> list[list[float]]:
-            extra = [case.parts[p] for p in others] if j == case.k else []
-            return _sketch(seed, j, case.probes, grad, [case.own[j], case.average[plan.shard(j)], *extra])
-
-        outs = list(_SKETCH.map(one, range(len(plan.members))))
-        held = dict(zip(others, outs[case.k][2:], strict=True))
-        return [out[0] for out in outs], [out[1] for out in outs], held, grad
-
-    own, result_sketches, held, grad = await loop.run_in_executor(None, sketch_all)
+    own, result_sketches, grad = await loop.run_in_executor(None, sketch_all)
     width = q + (grad is not None)  # values per shard: the random probes, then <g_j, part> when scoring
     mine = pb.AuditSketch(round=plan.round, sketches=[s for shard in own for s in shard])
     mine.signature = sign(case.identity, sketch_body(case.run_id, case.plan_id, me, mine))
@@ -157,7 +147,8 @@ async def audit(case: AuditCase, pipes: dict[str, Pipe], *, timeout: float) -> F
             raise RoundAborted(f"{short_id(peer)} sent a malformed or unsigned audit sketch", blame=peer)
         theirs[peer] = [values[j * width:(j + 1) * width] for j in range(n)]
 
-    verdict, evidence = _our_verdict(case, theirs, held, grad)
+    verdict, evidence = await loop.run_in_executor(None, _our_verdict, case, seed, theirs, result_sketches[case.k],
+                                                   grad)
     verdict.signature = sign(case.identity, verdict_body(case.run_id, case.plan_id, me, verdict))
     if verdict.accused:
         found.convict(verdict.accused, f"its audit sketch of shard {case.k} does not match the part it signed")
@@ -210,7 +201,7 @@ class _Gradient:
 def _sketch(seed: bytes, j: int, probes: int, grad: _Gradient | None,
             tensors: list[torch.Tensor]) -> list[list[float]]:
     """Each tensor's values for shard j: the random probes, then <g_j, x> when the round scores contributions."""
-    return sketches(seed, j, probes, tensors, extra=None if grad is None else grad.shards[j])
+    return sketches(seed, probes, [tensors], None if grad is None else [grad.shards[j]])[0]
 
 
 def _part_matches(claimed: list[float], ours: list[float], part: torch.Tensor, j: int, probes: int,
@@ -235,13 +226,32 @@ def _scores(case: AuditCase, theirs: dict[str, list[list[float]]], q: int) -> di
     return scores
 
 
-def _our_verdict(case: AuditCase, theirs: dict[str, list[list[float]]], held: dict[str, list[float]],
+def _our_verdict(case: AuditCase, seed: bytes, theirs: dict[str, list[list[float]]], our_result: list[float],
                  grad: _Gradient | None) -> tuple[pb.AuditVerdict, bytes | bytearray]:
+    """Our verdict on the sketches of our shard's parts: "every sketch matches", or an accusation with the signed
+    part as evidence. The parts are only sketched where needed. The contributors' sketches must combine to our own
+    result within half of what a member allows: then every member's check of our shard passes (its sums of the
+    same values differ from ours by far less), whatever any one sketch says. Their <g, part> values feed the
+    credit scores, so those are checked part by part. Only when either fails do we sketch every part we hold, to
+    find whose sketch is not of the part it signed."""
     verdict = pb.AuditVerdict(round=case.plan.round, shard=case.k)
-    for peer, ours in held.items():
-        if not _part_matches(theirs[peer][case.k], ours, case.parts[peer], case.k, case.probes, grad):
-            header, payload = case.part_frames[peer]
-            verdict.accused, verdict.part_digest, verdict.part_signature = peer, header.digest, header.signature
+    me, k, q = case.plan.members[case.k], case.k, case.probes
+    held = [p for p in case.settled if p != me]
+    header = case.results[k]
+    combines = combination_ok(our_result[:q], list(header.coeffs), [theirs[p][k][:q] for p in header.members],
+                              list(header.norms), case.rounding[k], share=0.5)
+    if combines and grad is None:
+        return verdict, b""
+    if combines:
+        dots = _sketch(seed, k, 0, grad, [case.parts[p] for p in held])
+        if all(gradient_dot_matches(theirs[p][k][q], d[0], g_norm=grad.norms[k], part_norm=norm(case.parts[p]),
+                                    size=case.parts[p].numel()) for p, d in zip(held, dots, strict=True)):
+            return verdict, b""
+    ours = _sketch(seed, k, q, grad, [case.parts[p] for p in held])
+    for peer, values in zip(held, ours, strict=True):
+        if not _part_matches(theirs[peer][k], values, case.parts[peer], k, q, grad):
+            header_of, payload = case.part_frames[peer]
+            verdict.accused, verdict.part_digest, verdict.part_signature = peer, header_of.digest, header_of.signature
             return verdict, payload
     return verdict, b""
 

@@ -1,8 +1,9 @@
 """The audit's random probes, and the float64 dot products every member takes with them.
 
-A probe R is a vector of the shard's length whose values are independent and uniform on the 65,536 half-integers
-±0.5, ±1.5, …, ±32,767.5, read from BLAKE3's extendable output keyed by (the audit's seed, the shard, the probe
-index). Nobody knows the seed before every reduced shard is fixed, so a reducer cannot aim its error at a probe.
+A probe R is a vector whose values are independent and uniform on the 65,536 half-integers ±0.5, ±1.5, …,
+±32,767.5, read from BLAKE3's extendable output keyed by (the audit's seed, the probe index); each shard is dotted
+with the prefix of its length. Nobody knows the seed before every reduced shard is fixed, so a reducer cannot aim
+its error at a probe.
 
 Why these values rather than Gaussian draws:
 - **Cost.** Drawing a standard normal took torch about 3 ns an element, more than everything else in the audit
@@ -21,7 +22,9 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Sequence
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -32,10 +35,13 @@ from blake3 import blake3
 # on it; the sums only change their order of addition, well within `robust.sketch_matches`.
 PROBE_CHUNK = 1 << 17
 PROBE_STD = math.sqrt((65536.0**2 - 1) / 12)  # the standard deviation of a probe value
+# BLAKE3 and torch's float64 dots release the GIL: a member sketches on up to this many cores at once.
+_WORKERS = min(8, os.cpu_count() or 1)
+_POOL = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="swarmloco-sketch")
 
 
-def probe_key(seed: bytes, shard: int, probe: int) -> bytes:
-    return hashlib.sha256(seed + f"/{shard}/{probe}".encode()).digest()
+def probe_key(seed: bytes, probe: int) -> bytes:
+    return hashlib.sha256(seed + f"/{probe}".encode()).digest()
 
 
 def probe_values(key: bytes, start: int, count: int, out: torch.Tensor) -> torch.Tensor:
@@ -45,44 +51,58 @@ def probe_values(key: bytes, start: int, count: int, out: torch.Tensor) -> torch
     return out[:count].copy_(values).add_(0.5)
 
 
-def float64_dots(chunks: Iterable[tuple[int, Sequence[torch.Tensor]]], tensors: Sequence[torch.Tensor]
-                 ) -> list[list[float]]:
-    """For each tensor x and each vector c: Σ over `chunks` (start, [c's slice, …]) of <c's slice, x's slice>,
-    products and sums in float64. Each slice of x is widened once and dotted with every vector's slice (float64
-    already, or widened by the caller): two peers' dots of the same values differ only by summation order.
-    (Summing float32 products with `sum(dtype=float64)` gives the same numbers at about 5× the cost.)"""
-    out: list[list[float]] = [[] for _ in tensors]
-    wide = torch.empty(0, dtype=torch.float64)
-    for start, vectors in chunks:
-        n = vectors[0].numel()
-        if wide.numel() < n:
-            wide = torch.empty(n, dtype=torch.float64)
-        for values, x in zip(out, tensors, strict=True):
-            w = wide[:n].copy_(x[start : start + n])
-            if not values:
-                values.extend(0.0 for _ in vectors)
-            for i, vector in enumerate(vectors):
-                values[i] += float(torch.dot(vector, w))
-    return out
+Sums = list[list[list[float]]]  # [shard][tensor][value]
 
 
-def sketches(seed: bytes, shard: int, probes: int, tensors: Sequence[torch.Tensor],
-             extra: torch.Tensor | None = None) -> list[list[float]]:
-    """For each tensor x (all of one shard's length): [<R_p, x> / PROBE_STD for p in range(probes)], followed by
-    <extra, x> when an extra vector (the credit probe's gradient) is given. One pass over each tensor."""
-    size = tensors[0].numel()
-    keys = [probe_key(seed, shard, p) for p in range(probes)]
-    buffers = [torch.empty(min(PROBE_CHUNK, size), dtype=torch.float64) for _ in range(probes + (extra is not None))]
+def sketches(seed: bytes, probes: int, shards: Sequence[Sequence[torch.Tensor]],
+             extras: Sequence[torch.Tensor | None] | None = None, *, parallel: bool = False) -> Sums:
+    """For each shard j and each of its tensors x (all of shard j's length): [<R_p, x> / PROBE_STD for p in
+    range(probes)] over x's length, followed by <extras[j], x> where shard j has an extra vector (the credit
+    probe's gradient).
 
-    def chunks() -> Iterable[tuple[int, list[torch.Tensor]]]:
-        for start in range(0, size, PROBE_CHUNK):
-            n = min(PROBE_CHUNK, size - start)
-            vectors = [probe_values(key, start, n, buffer) for key, buffer in zip(keys, buffers, strict=False)]
-            if extra is not None:
-                vectors.append(buffers[-1][:n].copy_(extra[start : start + n]))
-            yield start, vectors
+    Every shard reads its length's prefix of the same `probes` vectors: each element of a probe is drawn once
+    however many shards and tensors it meets, and each tensor is widened to float64 once, a chunk at a time, and
+    dotted with every vector while it is in cache. (One probe for every shard is as good as one per shard: a
+    shard's check only needs its probes unknown to its reducer when it fixed its result, and the seed is drawn
+    after every result is fixed.) With `parallel`, the chunks are spread over `_POOL`'s threads. The chunks' sums
+    are added in chunk order whatever the threads, so a sketch does not depend on the machine's core count."""
+    extra_of = list(extras) if extras is not None else [None] * len(shards)
+    lengths = [ts[0].numel() if ts else 0 for ts in shards]
+    longest = max(lengths, default=0)
+    keys = [probe_key(seed, p) for p in range(probes)]
+    starts = list(range(0, longest, PROBE_CHUNK))
 
-    if size == 0 or not buffers:
-        return [[0.0] * len(buffers) for _ in tensors]
-    dots = float64_dots(chunks(), tensors)
-    return [[d / PROBE_STD for d in values[:probes]] + values[probes:] for values in dots]
+    def chunk_sums(piece: Sequence[int]) -> list[Sums]:
+        size = min(PROBE_CHUNK, longest)
+        buffers = [torch.empty(size, dtype=torch.float64) for _ in range(len(keys) + 2)]
+        probe_bufs, extra_buf, wide = buffers[:-2], buffers[-2], buffers[-1]
+        out: list[Sums] = []
+        for start in piece:
+            n = min(PROBE_CHUNK, longest - start)
+            vectors = [probe_values(key, start, n, buf) for key, buf in zip(keys, probe_bufs, strict=True)]
+            sums: Sums = []
+            for tensors, extra, length in zip(shards, extra_of, lengths, strict=True):
+                m = max(0, min(n, length - start))
+                here = [v[:m] for v in vectors]
+                if extra is not None:
+                    here.append(extra_buf[:m].copy_(extra[start : start + m]))
+                rows = []
+                for x in tensors:
+                    w = wide[:m].copy_(x[start : start + m])
+                    rows.append([float(torch.dot(v, w)) for v in here])
+                sums.append(rows)
+            out.append(sums)
+        return out
+
+    workers = max(1, min(_WORKERS if parallel else 1, len(starts)))
+    pieces = [starts[i::workers] for i in range(workers)]
+    by_chunk: dict[int, Sums] = {}
+    for piece, sums in zip(pieces, (_POOL.map if workers > 1 else map)(chunk_sums, pieces), strict=True):
+        by_chunk.update(zip(piece, sums, strict=True))
+    total: Sums = [[[0.0] * (probes + (e is not None)) for _ in ts] for ts, e in zip(shards, extra_of, strict=True)]
+    for start in starts:  # chunk order: the same additions on every machine
+        for shard_total, shard_sums in zip(total, by_chunk[start], strict=True):
+            for values, row in zip(shard_total, shard_sums, strict=True):
+                for i, v in enumerate(row):
+                    values[i] += v
+    return [[[v / PROBE_STD for v in values[:probes]] + values[probes:] for values in shard] for shard in total]

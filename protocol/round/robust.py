@@ -102,13 +102,14 @@ def within_bound(result_norm: float, coeffs: Sequence[float], norms: Sequence[fl
 
 
 def combination_ok(result_sketch: Sequence[float], coeffs: Sequence[float], part_sketches: Sequence[Sequence[float]],
-                   norms: Sequence[float], rounding: float) -> bool:
+                   norms: Sequence[float], rounding: float, *, share: float = 1.0) -> bool:
     """<R, result> = Σ c_i <R, x_i> for every probe, within the codec's rounding and the float32 rounding of the
     reducer's sum (about (N + 1) ulps of each term, with room to spare). A probe of an error e is strictly
     sub-Gaussian with variance ||e||² (`swarmloco.protocol.round.probes`), so 7 standard deviations of the codec's
-    rounding bound are exceeded by an honest reducer with probability below 1e-10."""
+    rounding bound are exceeded by an honest reducer with probability below 1e-10. `share` < 1 allows only that
+    part of it (a reducer vouching for its own shard's sketches, so that every member's full check passes)."""
     float_slack = 1e-6 * (len(coeffs) + 8) * sum(abs(c) * n for c, n in zip(coeffs, norms, strict=True))
-    slack = 7 * rounding + float_slack + 1e-30
+    slack = share * (7 * rounding + float_slack) + 1e-30
     for p, got in enumerate(result_sketch):
         want = sum(c * s[p] for c, s in zip(coeffs, part_sketches, strict=True))
         if not abs(got - want) <= slack:

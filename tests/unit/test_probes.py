@@ -25,28 +25,47 @@ def _parts(n: int, size: int) -> list[torch.Tensor]:
 
 def _checks(seed: bytes, result: torch.Tensor, parts: list[torch.Tensor], coeffs: list[float],
             rounding: float = 0.0) -> bool:
-    got = sketches(seed, 0, 2, [result, *parts])
+    got = sketches(seed, 2, [[result, *parts]])[0]
     return combination_ok(got[0], coeffs, got[1:], [norm(p) for p in parts], rounding)
 
 
 def test_probe_values_are_the_uniform_half_integers_with_no_zero() -> None:
-    values = probe_values(probe_key(b"s", 0, 0), 0, 1 << 20, torch.empty(1 << 20, dtype=torch.float64))
+    values = probe_values(probe_key(b"s", 0), 0, 1 << 20, torch.empty(1 << 20, dtype=torch.float64))
     assert bool(((values * 2) % 2 == 1).all()) and float(values.abs().min()) == 0.5
     assert float(values.abs().max()) <= 32767.5
     assert abs(float(values.mean())) < 5 * PROBE_STD / math.sqrt(values.numel())
     assert float(values.std()) == pytest.approx(PROBE_STD, rel=0.01)
-    other = probe_values(probe_key(b"s", 0, 1), 0, 1 << 20, torch.empty(1 << 20, dtype=torch.float64))
+    other = probe_values(probe_key(b"s", 1), 0, 1 << 20, torch.empty(1 << 20, dtype=torch.float64))
     assert float((values == other).double().mean()) < 1e-3  # another probe index draws other values
 
 
 def test_a_sketch_taken_in_chunks_is_the_sketch_of_the_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     x, g = torch.randn(3500), torch.randn(3500)
     monkeypatch.setattr(probes, "PROBE_CHUNK", 1000)
-    chunked = sketches(b"seed", 3, 2, [x], extra=g)[0]
+    chunked = sketches(b"seed", 2, [[x]], [g])[0][0]
     for p in range(2):
-        whole = probe_values(probe_key(b"seed", 3, p), 0, 3500, torch.empty(3500, dtype=torch.float64))
+        whole = probe_values(probe_key(b"seed", p), 0, 3500, torch.empty(3500, dtype=torch.float64))
         assert chunked[p] == pytest.approx(float(torch.dot(whole, x.double())) / PROBE_STD, rel=1e-12)
     assert chunked[2] == pytest.approx(float(torch.dot(g.double(), x.double())), rel=1e-12)
+
+
+def test_every_shard_reads_its_prefix_of_one_probe_and_threads_change_no_sum(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shards of different lengths in one call: each is sketched as it would be alone (the probes' prefix of its
+    length), and spreading the chunks over threads gives the very same floats (the chunks' sums are added in chunk
+    order)."""
+    monkeypatch.setattr(probes, "PROBE_CHUNK", 1000)
+    monkeypatch.setattr(probes, "_WORKERS", 3)
+    g = torch.Generator().manual_seed(1)
+    shards = [[torch.randn(n, generator=g), torch.randn(n, generator=g)] for n in (4500, 4499, 1200, 0)]
+    extras = [torch.randn(n, generator=g) if i % 2 else None for i, n in enumerate((4500, 4499, 1200, 0))]
+    together = sketches(b"seed", 2, shards, extras)
+    assert together == sketches(b"seed", 2, shards, extras, parallel=True)
+    for tensors, extra, got in zip(shards, extras, together, strict=True):
+        assert got == sketches(b"seed", 2, [tensors], [extra])[0]
+        for x, values in zip(tensors, got, strict=True):
+            whole = probe_values(probe_key(b"seed", 0), 0, x.numel(), torch.empty(x.numel(), dtype=torch.float64))
+            assert values[0] == pytest.approx(float(torch.dot(whole, x.double())) / PROBE_STD, rel=1e-12, abs=1e-9)
+            assert len(values) == 2 + (extra is not None)
 
 
 def test_an_honest_combination_checks_out_at_every_seed() -> None:

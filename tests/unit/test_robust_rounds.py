@@ -6,6 +6,8 @@ Each defence has its control: the plain mean lets the poison through, and the ch
 name the cheater (take one out and the test fails)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from _fake_rounds import (
@@ -22,6 +24,8 @@ from _fake_rounds import (
 
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
 from swarmloco.protocol.base.outcome import Outcome
+from swarmloco.protocol.round import audit as audit_module
+from swarmloco.protocol.round import shard_reduce
 from swarmloco.protocol.round.groups import RoundAborted
 from swarmloco.protocol.round.pipes import Pipe
 from swarmloco.protocol.round.schedule import view_leader
@@ -76,6 +80,34 @@ def test_a_cheating_reducer_is_convicted_and_banned_and_the_swarm_goes_on(net: F
     # the next round: the three honest peers commit without it (it is refused as leader, member and contributor)
     again, _ = round_from_heads(averagers[:3], attempts=3)
     assert all(r.outcome == Outcome.COMMITTED and bad not in r.members for r in again), [r.reason for r in again]
+
+
+@pytest.mark.parametrize("verdict", ["checked", "trusting"])
+def test_a_member_whose_sketch_is_not_of_its_part_is_convicted_not_the_reducers(
+        net: FakeNetwork, monkeypatch: pytest.MonkeyPatch, verdict: str) -> None:
+    """A member that publishes sketches of values other than the parts it signed would make every honest shard fail
+    its combination check. The reducers sketch the parts they hold when the sketches do not combine to their own
+    result, and accuse it with its signed part. The control: reducers that vouch for every sketch without looking
+    (their check of the combination always passes) get convicted in its place."""
+    averagers = by_rank(peers(net, 4, quorum=3))
+    liar = averagers[3].transport.peer_id
+    real_audit = shard_reduce.audit
+
+    async def lying_audit(case: audit_module.AuditCase, pipes: dict, *, timeout: float) -> audit_module.Findings:
+        if case.plan.members[case.k] == liar:
+            case = dataclasses.replace(case, own=[t + 1.0 for t in case.own])
+        return await real_audit(case, pipes, timeout=timeout)
+
+    monkeypatch.setattr(shard_reduce, "audit", lying_audit)
+    if verdict == "trusting":
+        real_ok = audit_module.combination_ok
+        monkeypatch.setattr(audit_module, "combination_ok",
+                            lambda *a, share=1.0, **k: share < 1 or real_ok(*a, share=share, **k))
+    results, _ = whole_round(averagers)
+    honest = [r for r, a in zip(results, averagers, strict=True) if a.transport.peer_id != liar]
+    assert all(r.outcome == Outcome.DISCARDED for r in honest), [r.reason for r in honest]
+    convicted = {p for r in honest for p in r.cheaters}
+    assert (convicted == {liar}) == (verdict == "checked"), [r.cheaters for r in honest]
 
 
 def test_a_reducer_whose_signed_shard_convicts_it_is_banned_and_the_round_reduced_again(net: FakeNetwork) -> None:
