@@ -7,8 +7,10 @@ checkpoint and the run summary.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -32,6 +34,15 @@ def harness_hooks() -> Hooks:
     from swarmloco.protocol.testing.faults import FaultInjector
 
     return FaultInjector.from_env()
+
+
+def slowdown_sleep(seconds: float, recent: collections.deque[float], slowdown: float) -> float:
+    """How long to sleep after a step of `seconds` to emulate hardware `slowdown` times slower: (slowdown - 1) times
+    the step, but never more than twice the median of the recent steps (`recent`, which this appends to). A step that
+    took far longer than its neighbours was not computing all that time (the process was stopped, or the machine
+    suspended), and slower hardware would not have been slower by that much."""
+    recent.append(seconds)
+    return (slowdown - 1) * min(seconds, 2 * statistics.median(recent))
 
 
 class Sync(Protocol):
@@ -61,6 +72,7 @@ class TrainingLoop:
         self.hooks.observe(self._fault_fired)
         self.history: list[dict[str, Any]] = []
         self.compute_s = 0.0
+        self.recent_steps: collections.deque[float] = collections.deque(maxlen=16)  # seconds, for the slowdown
         self.initial_eval = 0.0
         self.on_step: Callable[[float], None] | None = None  # the swarm's coordinator reports
         self.checkpoint_dir = f"{cfg.run.workdir}/checkpoint"
@@ -108,7 +120,7 @@ class TrainingLoop:
         started = time.perf_counter()
         result = self.replica.inner_step()
         if self.cfg.run.slowdown > 1:
-            time.sleep(result.seconds * (self.cfg.run.slowdown - 1))
+            time.sleep(slowdown_sleep(result.seconds, self.recent_steps, self.cfg.run.slowdown))
         self.compute_s += time.perf_counter() - started
         self.progress.step(
             step=self.replica.step, round=self.replica.round, loss=result.loss, tokens=result.tokens, lr=result.lr

@@ -59,6 +59,7 @@ class ChaosConfig:
     quorum: int = 0  # 0: a majority of the peers (at least 2)
     round_timeout_s: float = 0.0  # 0: 15 s with --quick, else 40 s
     inner_steps: int = 10
+    slowdown: float = 1.0  # peers' --slowdown
     run_id: str = "chaos"
     seed: int = 0
     plot: bool = True
@@ -192,6 +193,7 @@ class ChaosRun:
         host = "127.0.0.1" if self.net is None else self.net.address(index)
         argv = [sys.executable, "-m", "swarmloco.cli", "peer", "--preset", "tiny", "--batch-size", "4",
                 "--threads", "1", "--warmup-steps", "5", "--inner-lr", "1e-3", "--inner-steps", str(cfg.inner_steps),
+                "--slowdown", f"{cfg.slowdown:g}",
                 "--grace-min", "0.3", "--grace-max", "3", "--round-timeout", f"{self.round_timeout:g}",
                 "--exchange-timeout", "20", "--eval-every", "1000", "--checkpoint-every", "1", "--max-rounds", "0",
                 "--quorum", str(quorum), "--workdir", str(workdir), "--shard-index", str(index),
@@ -387,7 +389,7 @@ def run_chaos(args: argparse.Namespace) -> int:
         peers=args.peers or scenario.peers, quick=args.quick, quorum=args.quorum, seed=args.seed,
         duration_s=args.duration or (scenario.quick_duration_s if args.quick else scenario.duration_s),
         settle_s=args.settle or (60.0 if args.quick else 90.0), round_timeout_s=args.round_timeout,
-        inner_steps=args.inner_steps,
+        inner_steps=args.inner_steps, slowdown=args.slowdown,
     )
     result = run_chaos_config(cfg)
     print(f"{cfg.scenario}: {result['rounds_committed']} rounds committed, goodput "

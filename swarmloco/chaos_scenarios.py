@@ -268,6 +268,13 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
+def _slowdown(text: str) -> float:
+    value = float(text)
+    if not 1.0 <= value <= 100.0:
+        raise argparse.ArgumentTypeError(f"{text} is not in 1 .. 100")
+    return value
+
+
 def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("action", choices=("run", "list"), help="run a scenario, or list the scenarios")
@@ -281,4 +288,6 @@ def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
     add("--quorum", type=int, default=0, help="peers' --quorum (0: a majority, at least 2; lock-step: --peers)")
     add("--round-timeout", type=float, default=0.0, help="peers' --round-timeout (0: 15 s quick, 40 s otherwise)")
     add("--inner-steps", type=int, default=10, help="peers' --inner-steps")
+    add("--slowdown", type=_slowdown, default=1.0, help="peers' --slowdown: each sleeps (x - 1) times every step's "
+        "time after it, as slower hardware would, and leaves the rest of the CPU to other work (the tests use 3)")
     add("--seed", type=int, default=0, help="seed of the scenario's random choices")

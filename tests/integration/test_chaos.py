@@ -1,6 +1,10 @@
 """Chaos smoke tests (part of `make test`; alone: `make chaos-smoke`): short (`--quick`) runs of `swarmloco chaos run`
 over real peers on 127.0.0.1. Each asserts that rounds commit after the faults, that every live peer ends on one
-state hash, that nothing the run started is left alive, and that the JSON carries its keys."""
+state hash, that nothing the run started is left alive, and that the JSON carries its keys.
+
+The peers run at `--slowdown 3` (each sleeps twice a step's time after it, like slower hardware): four peers that
+train flat out take both cores for the whole run, and the test beside this one waits for them. Rounds take about
+twice as long, and the faults still fall among them."""
 from __future__ import annotations
 
 import json
@@ -18,8 +22,8 @@ KEYS = {"scenario", "rounds_committed", "views_per_round", "goodput_tokens_per_s
 
 def _chaos(tmp_path: Path, env: dict[str, str], scenario: str, *extra: str, timeout: float) -> dict[str, object]:
     out = tmp_path / f"{scenario}.json"
-    proc = run_swarmloco(["chaos", "run", scenario, "--quick", "--workdir", str(tmp_path / scenario), "--json",
-                          str(out), *extra], env, timeout=timeout)
+    proc = run_swarmloco(["chaos", "run", scenario, "--quick", "--slowdown", "3", "--workdir", str(tmp_path / scenario),
+                          "--json", str(out), *extra], env, timeout=timeout)
     assert out.exists(), proc.stdout[-2000:] + proc.stderr[-4000:]
     result: dict[str, object] = json.loads(out.read_text())
     assert proc.returncode == 0, json.dumps(result, indent=1)[-3000:] + proc.stderr[-3000:]
