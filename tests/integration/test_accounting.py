@@ -22,7 +22,7 @@ from test_coordinator_e2e import get, wait_for
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 RUN_CONFIG = run_config(inner_steps=12, seed=5)
-PEERS, ROUNDS = 3, 6
+PEERS, ROUNDS = 3, 4
 
 
 def _joined(log: Path) -> str | None:

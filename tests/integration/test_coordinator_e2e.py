@@ -295,7 +295,7 @@ def test_coordinator_down_mid_run(procs: Procs, tmp_path: Path) -> None:
     """(b) After round 3 the coordinator hangs (SIGSTOP: connections are accepted, never answered), then dies
     (SIGKILL: connections refused), and comes back on the same port and database: the peers train on at the same
     speed meanwhile, and the rounds done during the outage arrive once it is back, each exactly once."""
-    db, run_id, peers, total = tmp_path / "coordinator.sqlite", "e2e-b", 2, 14
+    db, run_id, peers, total = tmp_path / "coordinator.sqlite", "e2e-b", 2, 11
     coord, info = procs.coordinator(db, run_id)
     url, port = info["url"], info["port"]
     work = tmp_path / "swarm"
@@ -306,7 +306,7 @@ def test_coordinator_down_mid_run(procs: Procs, tmp_path: Path) -> None:
         "--rounds",
         str(total),
         "--inner-steps",
-        "20",
+        "12",
         "--coordinator",
         url,
         "--run-id",
