@@ -358,7 +358,7 @@ def run_chaos_config(cfg: ChaosConfig) -> dict[str, Any]:
     result: dict[str, Any] = {
         "scenario": cfg.scenario, "quick": cfg.quick, "peers": cfg.peers, "duration_s": cfg.duration_s,
         "quorum": cfg.quorum or max(2, cfg.peers // 2 + 1), "round_timeout_s": cfg.round_timeout, **fields,
-        "settled": agreed is not None, "final_hashes": live, "exit_hashes": at_exit,
+        "slowdown": cfg.slowdown, "settled": agreed is not None, "final_hashes": live, "exit_hashes": at_exit,
         "one_final_hash": len(set(live.values())) == 1 and None not in live.values(), "orphans": len(left),
         "orphan_cmdlines": [cmdline(pid) for pid in left], "faults": run.faults,
         "restarts": {name: p.restarts for name, p in run.peers.items()}, "per_peer": run.sampler.to_dict(),

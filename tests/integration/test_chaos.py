@@ -32,7 +32,7 @@ def _chaos(tmp_path: Path, env: dict[str, str], scenario: str, *extra: str, time
 
 def _check(result: dict[str, object], scenario: str, fault_kind: str) -> None:
     assert KEYS <= set(result), sorted(KEYS - set(result))
-    assert result["scenario"] == scenario and result["error"] is None
+    assert result["scenario"] == scenario and result["error"] is None and result["slowdown"] == 3.0
     faults = result["faults"]
     assert isinstance(faults, list) and any(f["kind"] == fault_kind for f in faults), faults
     assert result["settled"] is True, result  # a round committed after the last fault, and the peers agree
