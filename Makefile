@@ -26,7 +26,7 @@ solo: install
 TEST_WORKERS ?= 2
 
 test: install
-	@echo "the whole suite, short chaos runs included, $(TEST_WORKERS) tests at a time: about 15 minutes on 2 cores (make test-fast: the unit tier, about 50 seconds)"
+	@echo "the whole suite, short chaos runs included, $(TEST_WORKERS) tests at a time: about 13 minutes on 2 cores (make test-fast: the unit tier, about 50 seconds)"
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 test-fast: install
