@@ -1,8 +1,9 @@
 """`swarmloco chaos run SCENARIO`: real peer processes under a fault scenario, measured.
 
-The run starts a bootstrap DHT node (and a coordinator when the scenario needs one), then the peers, each exec'd in
-its own session with its own workdir and identity (the local swarm launcher's `PeerProc`), on 127.0.0.1, or each in
-a network namespace of its own for a scenario that cuts links (swarmloco.chaos_net). Once all have joined, the
+The run starts a bootstrap DHT node (and a coordinator when the scenario needs one), then the peers, each in its own
+session with its own workdir and identity (the local swarm launcher's `PeerProc`): on 127.0.0.1, forked from one
+process that imported torch and hivemind once (swarmloco.zygote; `--spawn exec` starts fresh interpreters), or each
+exec'd in a network namespace of its own for a scenario that cuts links (swarmloco.chaos_net). Once all have joined, the
 scenario's driver injects its faults for --duration seconds; then every fault is undone and the run waits (at most
 --settle seconds) until all live peers hold one state, so that their final hashes can be compared. Every process
 started is stopped in a `finally`, by pid or by the session created for it, and `orphans` counts those still alive
@@ -20,7 +21,6 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,37 +36,22 @@ from swarmloco.chaos_report import (
     token_curve,
     write_plot,
 )
-from swarmloco.chaos_scenarios import SCENARIOS, Scenario
+from swarmloco.chaos_scenarios import SCENARIOS, ChaosConfig, Scenario
 from swarmloco.proc_memory import cmdline, descendants
 from swarmloco.protocol.trust.identity import load_or_create_identity
-from swarmloco.swarm_procs import PeerProc, become_subreaper, raise_interrupt, set_aside_previous_run, stop_session
+from swarmloco.swarm_procs import (
+    Handle,
+    PeerProc,
+    become_subreaper,
+    raise_interrupt,
+    set_aside_previous_run,
+    stop_session,
+)
+from swarmloco.zygote import Zygote
 
 logger = logging.getLogger(__name__)
 AUTHORITY_KEY = "authority.key"
 SHM_MANAGER = "torch_shm_manager"  # torch's shared-memory manager, if this process started one: ends with it
-
-
-@dataclass(frozen=True, kw_only=True)
-class ChaosConfig:
-    scenario: str
-    workdir: Path
-    json_out: Path
-    peers: int = 4
-    duration_s: float = 180.0
-    settle_s: float = 90.0
-    join_timeout_s: float = 240.0
-    quick: bool = False
-    quorum: int = 0  # 0: a majority of the peers (at least 2)
-    round_timeout_s: float = 0.0  # 0: 15 s with --quick, else 40 s
-    inner_steps: int = 10
-    slowdown: float = 1.0  # peers' --slowdown
-    run_id: str = "chaos"
-    seed: int = 0
-    plot: bool = True
-
-    @property
-    def round_timeout(self) -> float:
-        return self.round_timeout_s or (15.0 if self.quick else 40.0)
 
 
 class ChaosRun:
@@ -85,7 +70,8 @@ class ChaosRun:
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.coordinator_url: str | None = None
         self.coordinator_port, self.coordinator_invite = 0, ""  # its run is invite-only, with a generated code
-        self.started: list[subprocess.Popen[bytes]] = []  # burners and coordinators, every one we ever started
+        self.started: list[Handle] = []  # burners, hostile peers and coordinators, every one we ever started
+        self.zygote: Zygote | None = None  # the fork server of --spawn fork
         self.peer_pids: set[int] = set()
         self.sampler = ProcSampler()
         self.faults: list[dict[str, Any]] = []
@@ -130,7 +116,7 @@ class ChaosRun:
         self.started.append(proc)
         return proc
 
-    def start_hostile(self, kind: str, index: int) -> subprocess.Popen[bytes]:
+    def start_hostile(self, kind: str, index: int) -> Handle:
         """An admitted peer that is never honest: a `claimant` or a `holder` (swarmloco.chaos_hostile)."""
         workdir = self.root / f"{kind}-{index}"
         workdir.mkdir(parents=True, exist_ok=True)
@@ -138,12 +124,16 @@ class ChaosRun:
                 "--authority-key", str(self.root / AUTHORITY_KEY), "--workdir", str(workdir)]
         for maddr in self.bootstrap:
             argv += ["--initial-peer", maddr]
-        with open(workdir / f"{kind}.log", "ab") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=log, env=self.env, start_new_session=True)
+        proc: Handle
+        if self.zygote is not None:
+            proc = self.zygote.spawn(argv, str(workdir / f"{kind}.log"), str(workdir / f"{kind}.log"), env=self.env)
+        else:
+            with open(workdir / f"{kind}.log", "ab") as log:
+                proc = subprocess.Popen(argv, stdout=log, stderr=log, env=self.env, start_new_session=True)
         self.started.append(proc)
         return proc
 
-    def stop_process(self, proc: subprocess.Popen[bytes]) -> None:
+    def stop_process(self, proc: Handle) -> None:
         stop_session(proc, timeout=5.0)
         try:
             proc.wait(5)
@@ -232,9 +222,11 @@ class ChaosRun:
             self.bootstrap = [str(m) for m in self.bootstrap_dht.get_visible_maddrs()]
         if self.scenario.coordinator:
             self.start_coordinator()
+        if self.cfg.spawn == "fork" and self.net is None:  # in a namespace, a peer is exec'd by `ip netns exec`
+            self.zygote = Zygote(self.env)
         for i in range(self.cfg.peers):
             workdir = self.root / f"peer-{i}"
-            p = PeerProc(i, workdir, self._peer_argv(i, workdir, wait_for=self.cfg.peers))
+            p = PeerProc(i, workdir, self._peer_argv(i, workdir, wait_for=self.cfg.peers), spawner=self.zygote)
             p.start(self._env(i), resume=False)
             self._record(p)
             self.peers[f"peer-{i}"] = p
@@ -309,6 +301,8 @@ class ChaosRun:
         for proc in self.started:
             if proc.poll() is None:
                 self.stop_process(proc)
+        if self.zygote is not None:
+            self.zygote.close()  # after its children: it reports their exits
         if self.bootstrap_dht is not None:
             self.bootstrap_dht.shutdown()
             self.bootstrap_dht = None
@@ -319,6 +313,7 @@ class ChaosRun:
         """Processes this run started (peers and all seen under them, burners, coordinators, our own children) still
         alive after cleanup."""
         ours = self.peer_pids | self.sampler.seen | {p.pid for p in self.started}
+        ours |= {self.zygote.proc.pid} if self.zygote is not None else set()
         deadline = time.monotonic() + timeout
         while True:
             children = [pid for pid in descendants(os.getpid()) if SHM_MANAGER not in cmdline(pid)]
@@ -358,7 +353,8 @@ def run_chaos_config(cfg: ChaosConfig) -> dict[str, Any]:
     result: dict[str, Any] = {
         "scenario": cfg.scenario, "quick": cfg.quick, "peers": cfg.peers, "duration_s": cfg.duration_s,
         "quorum": cfg.quorum or max(2, cfg.peers // 2 + 1), "round_timeout_s": cfg.round_timeout, **fields,
-        "slowdown": cfg.slowdown, "settled": agreed is not None, "final_hashes": live, "exit_hashes": at_exit,
+        "slowdown": cfg.slowdown, "spawn": "exec" if run.zygote is None else "fork", "settled": agreed is not None,
+        "final_hashes": live, "exit_hashes": at_exit,
         "one_final_hash": len(set(live.values())) == 1 and None not in live.values(), "orphans": len(left),
         "orphan_cmdlines": [cmdline(pid) for pid in left], "faults": run.faults,
         "restarts": {name: p.restarts for name, p in run.peers.items()}, "per_peer": run.sampler.to_dict(),
@@ -389,7 +385,7 @@ def run_chaos(args: argparse.Namespace) -> int:
         peers=args.peers or scenario.peers, quick=args.quick, quorum=args.quorum, seed=args.seed,
         duration_s=args.duration or (scenario.quick_duration_s if args.quick else scenario.duration_s),
         settle_s=args.settle or (60.0 if args.quick else 90.0), round_timeout_s=args.round_timeout,
-        inner_steps=args.inner_steps, slowdown=args.slowdown,
+        inner_steps=args.inner_steps, slowdown=args.slowdown, spawn=args.spawn,
     )
     result = run_chaos_config(cfg)
     print(f"{cfg.scenario}: {result['rounds_committed']} rounds committed, goodput "

@@ -14,7 +14,10 @@ import signal
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
+
+from swarmloco.swarm_procs import Handle
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +39,9 @@ class ChaosTarget(Protocol):
 
     def start_burner(self) -> subprocess.Popen[bytes]: ...
 
-    def start_hostile(self, kind: str, index: int) -> subprocess.Popen[bytes]: ...
+    def start_hostile(self, kind: str, index: int) -> Handle: ...
 
-    def stop_process(self, proc: subprocess.Popen[bytes]) -> None: ...
+    def stop_process(self, proc: Handle) -> None: ...
 
     def kill_coordinator(self) -> None: ...
 
@@ -138,9 +141,9 @@ class Burners:
 
     count: int = 2
     kind: str = "burner"
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    procs: list[Handle] = field(default_factory=list)
 
-    def start(self, run: ChaosTarget, index: int) -> subprocess.Popen[bytes]:
+    def start(self, run: ChaosTarget, index: int) -> Handle:
         return run.start_burner()
 
     def tick(self, run: ChaosTarget, t: float) -> None:
@@ -163,7 +166,7 @@ class SilentClaimants(Burners):
     count: int = 3
     kind: str = "claimant"
 
-    def start(self, run: ChaosTarget, index: int) -> subprocess.Popen[bytes]:
+    def start(self, run: ChaosTarget, index: int) -> Handle:
         return run.start_hostile(self.kind, index)
 
 
@@ -229,6 +232,32 @@ class Partition:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ChaosConfig:
+    """One chaos run's settings (`swarmloco chaos run`'s flags)."""
+
+    scenario: str
+    workdir: Path
+    json_out: Path
+    peers: int = 4
+    duration_s: float = 180.0
+    settle_s: float = 90.0
+    join_timeout_s: float = 240.0
+    quick: bool = False
+    quorum: int = 0  # 0: a majority of the peers (at least 2)
+    round_timeout_s: float = 0.0  # 0: 15 s with --quick, else 40 s
+    inner_steps: int = 10
+    slowdown: float = 1.0  # peers' --slowdown
+    spawn: str = "fork"  # "fork": peers forked from one process that imported torch (not in split networks); "exec"
+    run_id: str = "chaos"
+    seed: int = 0
+    plot: bool = True
+
+    @property
+    def round_timeout(self) -> float:
+        return self.round_timeout_s or (15.0 if self.quick else 40.0)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Scenario:
     name: str
     help: str
@@ -290,4 +319,6 @@ def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
     add("--inner-steps", type=int, default=10, help="peers' --inner-steps")
     add("--slowdown", type=_slowdown, default=1.0, help="peers' --slowdown: each sleeps (x - 1) times every step's "
         "time after it, as slower hardware would, and leaves the rest of the CPU to other work (the tests use 3)")
+    add("--spawn", choices=("fork", "exec"), default="fork", help="fork the peers from one process that imported "
+        "torch once (a scenario that cuts links always execs each peer in its network namespace), or exec each")
     add("--seed", type=int, default=0, help="seed of the scenario's random choices")

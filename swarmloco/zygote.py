@@ -7,8 +7,9 @@ the peers share those pages copy-on-write. Each forked peer is still its own ses
 exit status, like a `subprocess.Popen` started with `start_new_session=True`.
 
 Protocol on the server's stdin/stdout, one JSON object per line: `{"argv": [...], "stdout": PATH, "stderr": PATH}`
-(and optionally `"env": {...}`, the peer's whole environment, for what it reads at run time) is answered
-`{"pid": PID}`, and every exit of a forked peer is reported as `{"exited": PID, "rc": RC}`.
+(argv as for Popen, `python -m MODULE ARGS` with MODULE one of ENTRY_POINTS; optionally `"env": {...}`, the peer's
+whole environment, for what it reads at run time) is answered `{"pid": PID}`, and every exit of a forked peer is
+reported as `{"exited": PID, "rc": RC}`.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from typing import IO, Any
 # What a peer imports anyway, plus what its first optimizer step imports lazily (torch._dynamo and sympy).
 PRELOAD = ("torch", "torch._dynamo", "hivemind", "uvloop", "swarmloco.cli", "swarmloco.peer.cli",
            "swarmloco.peer.swarm_sync", "swarmloco.peer.solo", "swarmloco.protocol.network.node")
+ENTRY_POINTS = ("swarmloco.cli", "swarmloco.chaos_hostile")  # what a request may run: `python -m` one of these
 
 
 class ForkedPeer:
@@ -107,7 +109,8 @@ class Zygote:
 
     def spawn(self, argv: Sequence[str], stdout: str, stderr: str, *, env: dict[str, str] | None = None,
               timeout: float = 60.0) -> ForkedPeer:
-        """Fork a peer running `python -m swarmloco.cli ARGS` (argv as for Popen) with its output in these files.
+        """Fork a peer running `python -m MODULE ARGS` (argv as for Popen; MODULE one of ENTRY_POINTS) with its
+        output in these files.
         `env` replaces the forked peer's environment (what it reads at run time, such as SWARMLOCO_FAULTS; what
         was read at import, such as OMP_NUM_THREADS, is the server's)."""
         assert self.proc.stdin is not None
@@ -154,12 +157,9 @@ def _child(request: dict[str, Any]) -> None:
         if isinstance(request.get("env"), dict):
             os.environ.clear()
             os.environ.update({str(k): str(v) for k, v in request["env"].items()})
-        argv = list(request["argv"])
-        args = argv[argv.index("swarmloco.cli") + 1:] if "swarmloco.cli" in argv else argv[1:]
-        sys.argv = ["swarmloco", *args]
-        from swarmloco.cli import main
-
-        rc = main(args)
+        module, args = _entry(list(request["argv"]))
+        sys.argv = [module, *args]
+        rc = importlib.import_module(module).main(args)
     except SystemExit as exc:
         rc = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:  # whatever kills the peer is written to its stderr log
@@ -170,6 +170,18 @@ def _child(request: dict[str, Any]) -> None:
             sys.stderr.flush()
         finally:
             os._exit(rc)
+
+
+def _entry(argv: list[str]) -> tuple[str, list[str]]:
+    """(module, its arguments) of `python -m MODULE ARGS`; a bare `python ARGS` runs the swarmloco CLI. The module
+    must be one of ours with a `main(argv) -> int` (the CLI, or a chaos run's hostile peer)."""
+    module, args = ("swarmloco.cli", argv[1:])
+    if "-m" in argv:
+        at = argv.index("-m")
+        module, args = argv[at + 1], argv[at + 2:]
+    if module not in ENTRY_POINTS:
+        raise ValueError(f"the fork server runs only {', '.join(ENTRY_POINTS)}, not {module!r}")
+    return module, args
 
 
 def _send(out: IO[bytes], msg: dict[str, Any]) -> None:

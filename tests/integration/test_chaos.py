@@ -2,9 +2,10 @@
 over real peers on 127.0.0.1. Each asserts that rounds commit after the faults, that every live peer ends on one
 state hash, that nothing the run started is left alive, and that the JSON carries its keys.
 
-The peers run at `--slowdown 3` (each sleeps twice a step's time after it, like slower hardware): four peers that
-train flat out take both cores for the whole run, and the test beside this one waits for them. Rounds take about
-twice as long, and the faults still fall among them."""
+The peers are forked from one process that imported torch once (`--spawn fork`, the default; the partition's
+peers are exec'd in their network namespaces), and run at `--slowdown 3` (each sleeps twice a step's time after it,
+like slower hardware): four peers that import torch each and train flat out take both cores for the whole run, and
+the test beside this one waits for them. Rounds take about twice as long, and the faults still fall among them."""
 from __future__ import annotations
 
 import json
@@ -33,6 +34,7 @@ def _chaos(tmp_path: Path, env: dict[str, str], scenario: str, *extra: str, time
 def _check(result: dict[str, object], scenario: str, fault_kind: str) -> None:
     assert KEYS <= set(result), sorted(KEYS - set(result))
     assert result["scenario"] == scenario and result["error"] is None and result["slowdown"] == 3.0
+    assert result["spawn"] == ("exec" if scenario == "partition-2-2" else "fork")  # namespaces need an exec
     faults = result["faults"]
     assert isinstance(faults, list) and any(f["kind"] == fault_kind for f in faults), faults
     assert result["settled"] is True, result  # a round committed after the last fault, and the peers agree

@@ -1,0 +1,21 @@
+"""The fork server's entry points: a request runs `python -m MODULE ARGS` for one of our modules, nothing else."""
+from __future__ import annotations
+
+import pytest
+
+from swarmloco.zygote import ENTRY_POINTS, _entry
+
+
+def test_a_request_runs_the_module_after_dash_m_with_its_arguments() -> None:
+    assert _entry(["/usr/bin/python3", "-m", "swarmloco.cli", "peer", "--quorum", "2"]) == (
+        "swarmloco.cli", ["peer", "--quorum", "2"])
+    assert _entry(["python", "-m", "swarmloco.chaos_hostile", "claimant", "--run-id", "r"]) == (
+        "swarmloco.chaos_hostile", ["claimant", "--run-id", "r"])
+    assert _entry(["python", "peer", "--solo"]) == ("swarmloco.cli", ["peer", "--solo"])
+    assert set(ENTRY_POINTS) == {"swarmloco.cli", "swarmloco.chaos_hostile"}
+
+
+@pytest.mark.parametrize("module", ["os", "runpy", "swarmloco.zygote", "swarmloco.cli.x"])
+def test_any_other_module_is_refused(module: str) -> None:
+    with pytest.raises(ValueError, match="fork server runs only"):
+        _entry(["python", "-m", module, "whatever"])
