@@ -30,7 +30,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("export")
     run = _cli("peer", "--solo", "--preset", "tiny", "--max-rounds", "3", "--inner-steps", "10", "--threads", "1",
-               "--workdir", str(root / "w"), "--summary-json", str(root / "summary.json"), "--log-format", "json")
+               "--batch-size", "4", "--workdir", str(root / "w"), "--summary-json", str(root / "summary.json"),
+               "--log-format", "json")
     assert run.returncode == 0, run.stderr[-3000:]
     return root
 

@@ -142,9 +142,10 @@ def test_task_mistakes_are_one_line(tmp_path: Path, cli_env: dict[str, str], spe
 
 def test_second_peer_in_one_workdir_is_refused(tmp_path: Path, cli_env: dict[str, str]) -> None:
     workdir = tmp_path / "w"
+    # The first peer only has to hold the workdir: tiny steps, and a long sleep after each, leave the CPU to the rest.
     first = subprocess.Popen([console_script(), "peer", "--solo", "--workdir", str(workdir), "--max-steps", "100000",
-                              "--log-format", "json"], env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                             text=True)
+                              "--batch-size", "1", "--slowdown", "100", "--log-format", "json"], env=cli_env,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert first.stdout is not None and '"start"' in first.stdout.readline()  # it holds the lock by now
         proc = run_swarmloco(["peer", "--solo", "--workdir", str(workdir)], cli_env, timeout=60)
