@@ -23,11 +23,13 @@ solo: install
 
 # Two test processes: most integration tests spend part of their time waiting on timeouts and exits, and the other
 # process's test fills those gaps. More than two would only queue the peers' training on a 2-core machine.
+# --dist worksteal: a worker that runs out of tests takes queued ones from the other (with the default, tests are
+# dealt out in turn up front, and one worker could be left with the long tail of real-swarm tests alone).
 TEST_WORKERS ?= 2
 
 test: install
 	@echo "the whole suite, short chaos runs included, $(TEST_WORKERS) tests at a time: about 13 minutes on 2 cores (make test-fast: the unit tier, about 50 seconds)"
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 test-fast: install
 	$(BIN)/python -m pytest -q tests/unit
