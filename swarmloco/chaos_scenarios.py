@@ -252,6 +252,10 @@ class ChaosConfig:
     seed: int = 0
     plot: bool = True
 
+    def __post_init__(self) -> None:
+        if self.spawn not in ("fork", "exec"):
+            raise ValueError(f"spawn: got {self.spawn!r}, allowed 'fork' or 'exec'")
+
     @property
     def round_timeout(self) -> float:
         return self.round_timeout_s or (15.0 if self.quick else 40.0)

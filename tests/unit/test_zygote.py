@@ -1,8 +1,12 @@
-"""The fork server's entry points: a request runs `python -m MODULE ARGS` for one of our modules, nothing else."""
+"""The fork server's entry points: a request runs `python -m MODULE ARGS` for one of our modules, nothing else; and
+a chaos run's choice between forking and exec'ing its peers."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
+from swarmloco.chaos_scenarios import ChaosConfig
 from swarmloco.zygote import ENTRY_POINTS, _entry
 
 
@@ -19,3 +23,9 @@ def test_a_request_runs_the_module_after_dash_m_with_its_arguments() -> None:
 def test_any_other_module_is_refused(module: str) -> None:
     with pytest.raises(ValueError, match="fork server runs only"):
         _entry(["python", "-m", module, "whatever"])
+
+
+def test_a_chaos_run_forks_or_execs_and_nothing_else() -> None:
+    assert ChaosConfig(scenario="steady", workdir=Path("w"), json_out=Path("o")).spawn == "fork"
+    with pytest.raises(ValueError, match="spawn: got 'frok'"):
+        ChaosConfig(scenario="steady", workdir=Path("w"), json_out=Path("o"), spawn="frok")
