@@ -124,12 +124,13 @@ class ChaosRun:
                 "--authority-key", str(self.root / AUTHORITY_KEY), "--workdir", str(workdir)]
         for maddr in self.bootstrap:
             argv += ["--initial-peer", maddr]
+        log = workdir / f"{kind}.log"
         proc: Handle
         if self.zygote is not None:
-            proc = self.zygote.spawn(argv, str(workdir / f"{kind}.log"), str(workdir / f"{kind}.log"), env=self.env)
+            proc = self.zygote.spawn(argv, str(log), str(log), env=self.env)
         else:
-            with open(workdir / f"{kind}.log", "ab") as log:
-                proc = subprocess.Popen(argv, stdout=log, stderr=log, env=self.env, start_new_session=True)
+            with open(log, "ab") as out:
+                proc = subprocess.Popen(argv, stdout=out, stderr=out, env=self.env, start_new_session=True)
         self.started.append(proc)
         return proc
 

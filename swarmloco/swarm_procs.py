@@ -163,7 +163,7 @@ def start_coordinator(
     raise RuntimeError(f"coordinator did not start; see {root / 'coordinator.log'}")
 
 
-def stop_session(proc: subprocess.Popen[bytes], *, timeout: float = 15.0) -> None:
+def stop_session(proc: Handle, *, timeout: float = 15.0) -> None:
     """SIGTERM a process we started in its own session, then SIGKILL whatever of that session is left."""
     try:
         os.killpg(proc.pid, signal.SIGTERM)

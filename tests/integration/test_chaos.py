@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import run_swarmloco
 
+from swarmloco.chaos_scenarios import SCENARIOS
+
 pytestmark = [pytest.mark.chaos, pytest.mark.integration]
 
 KEYS = {"scenario", "rounds_committed", "views_per_round", "goodput_tokens_per_s", "final_hashes", "orphans",
@@ -34,7 +36,7 @@ def _chaos(tmp_path: Path, env: dict[str, str], scenario: str, *extra: str, time
 def _check(result: dict[str, object], scenario: str, fault_kind: str) -> None:
     assert KEYS <= set(result), sorted(KEYS - set(result))
     assert result["scenario"] == scenario and result["error"] is None and result["slowdown"] == 3.0
-    assert result["spawn"] == ("exec" if scenario == "partition-2-2" else "fork")  # namespaces need an exec
+    assert result["spawn"] == ("exec" if SCENARIOS[scenario].split else "fork")  # namespaces need an exec
     faults = result["faults"]
     assert isinstance(faults, list) and any(f["kind"] == fault_kind for f in faults), faults
     assert result["settled"] is True, result  # a round committed after the last fault, and the peers agree
