@@ -93,7 +93,7 @@ def autocast_for(device: torch.device) -> torch.autocast:
     return torch.autocast("cpu", enabled=False)
 
 
-DEFAULT_BATCH = {"tiny": 16, "small": 16, "base": 8}
+DEFAULT_BATCH = {"nano": 16, "tiny": 16, "small": 16, "base": 8}
 
 
 def default_task(ctx: TaskContext) -> Task:

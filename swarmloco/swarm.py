@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from swarmloco.peer.presets import PRESETS
 from swarmloco.proc_memory import SwarmMemory
 from swarmloco.protocol.base.outcome import Outcome
 from swarmloco.protocol.base.text import short_hash
@@ -47,7 +48,7 @@ PROGRESS_EVERY_S = 10.0  # while no round commits, how often the launcher says w
 def add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--peers", type=int, default=3, help="number of peer processes")
-    add("--preset", default="tiny", help="model preset of the default task: tiny, small, base")
+    add("--preset", default="tiny", help=f"model preset of the default task: {', '.join(PRESETS)}")
     add("--rounds", type=int, default=3, help="outer rounds each peer trains for")
     add("--inner-steps", type=int, default=30, help="H: inner steps per round")
     add("--quorum", type=int, default=0, help="K, minimum group size (0 = half the peers, at least 2)")

@@ -120,13 +120,14 @@ def net() -> Iterator[Any]:
 
 
 @pytest.fixture
-def swarm(tmp_path: Path, peer_zygote: Any) -> Iterator[Any]:
+def swarm(request: pytest.FixtureRequest, tmp_path: Path, peer_zygote: Any) -> Iterator[Any]:
     """A fresh permissioned run of real peers (`swarm_harness.Swarm`), forked from the session's fork server;
-    every process it started is gone when the test ends, or the test fails. Imported here, not at the top: the
-    unit tier never loads hivemind."""
-    from swarm_harness import Swarm
+    every process it started is gone when the test ends, or the test fails. `@pytest.mark.preset("tiny")` on a
+    test or module picks its peers' model. Imported here, not at the top: the unit tier never loads hivemind."""
+    from swarm_harness import PRESET, Swarm
 
-    s = Swarm(tmp_path, spawner=peer_zygote)
+    marker = request.node.get_closest_marker("preset")
+    s = Swarm(tmp_path, spawner=peer_zygote, preset=marker.args[0] if marker else PRESET)
     try:
         yield s
     finally:

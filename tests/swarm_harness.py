@@ -18,9 +18,10 @@ from swarmloco.protocol.round.schedule import view_rank
 from swarmloco.protocol.trust.identity import load_or_create_identity
 from swarmloco.swarm import PeerProc
 
+# The harness's model: "nano" exercises the protocol at a seventh of tiny's compute per step; a test that checks
+# what the model learns (calibrated loss comparisons) passes `Swarm(..., preset="tiny")`.
+PRESET = "nano"
 FAST = [
-    "--preset",
-    "tiny",
     "--batch-size",
     "4",
     "--threads",
@@ -44,23 +45,29 @@ FAST = [
 ]
 
 
-def genesis_hash() -> str:
-    """θ_0's hash for the harness's model (FAST's tiny preset, seed 0), as every peer computes it."""
+def replica(preset: str = PRESET) -> Any:
+    """A replica of the harness's model at θ_0 (seed 0), as every peer of a swarm with `preset` builds it."""
     from swarmloco.peer.cli import build_replica
     from swarmloco.peer.config import build_config
+
+    return build_replica(build_config(env={"SWARMLOCO_PRESET": preset}))
+
+
+def genesis_hash(preset: str = PRESET) -> str:
+    """θ_0's hash for the harness's model, as every peer computes it."""
     from swarmloco.peer.swarm_state import genesis_hash as of_replica
 
-    return of_replica(build_replica(build_config(env={})))
+    return of_replica(replica(preset))
 
 
 class Swarm:
     """Peers of one permissioned run: every peer started here signs its own ticket with the run's authority key
     (a test's attacker is started without it, or with `admitted=True` to play an admitted peer gone bad)."""
 
-    def __init__(self, workdir: Path, *, run_id: str = "test-run", spawner: Any = None) -> None:
+    def __init__(self, workdir: Path, *, run_id: str = "test-run", spawner: Any = None, preset: str = PRESET) -> None:
         """`spawner`: a `swarmloco.zygote.Zygote` to fork peers from (one import of torch for every peer of the
-        session), or None to start each peer as a fresh interpreter."""
-        self.workdir, self.run_id, self.spawner = workdir, run_id, spawner
+        session), or None to start each peer as a fresh interpreter. `preset`: every peer's model."""
+        self.workdir, self.run_id, self.spawner, self.preset = workdir, run_id, spawner, preset
         self.authority_key = workdir / "authority.key"
         self.authority = load_or_create_identity(self.authority_key).peer_id
         self._genesis: str | None = None
@@ -73,7 +80,7 @@ class Swarm:
     def identities(self, n: int) -> list[tuple[str, Path]]:
         """n identity files in leader order of the first round (the best-ranked ready peer leads it)."""
         if self._genesis is None:
-            self._genesis = genesis_hash()
+            self._genesis = genesis_hash(self.preset)
         out = []
         for i in range(n):
             path = self.workdir / f"id-{i}.key"
@@ -100,6 +107,8 @@ class Swarm:
             "-m",
             "swarmloco.cli",
             "peer",
+            "--preset",
+            self.preset,
             *FAST,
             "--max-rounds",
             str(rounds),

@@ -31,7 +31,7 @@ from _hostile_nodes import node as _node
 from _hostile_nodes import serve as _serve
 from _hostile_nodes import ticket as _ticket
 from hivemind.utils import get_dht_time
-from swarm_harness import Swarm, assert_no_split, genesis_hash
+from swarm_harness import Swarm, assert_no_split, genesis_hash, replica
 
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
 from swarmloco.protocol.base.records import MAX_VIEW, PROTOCOL_VERSION, PeerRecord, peers_key, revocations_key
@@ -119,7 +119,7 @@ def test_hostile_peers_cannot_move_the_swarm(swarm: Swarm) -> None:
                     _announce(claimer, fingerprint, top.round, top.state_hash, work=top.work, ready=True,
                               view=MAX_VIEW)
 
-        _announce(claimer, fingerprint, 0, genesis_hash(), work=0, ready=True, view=MAX_VIEW)
+        _announce(claimer, fingerprint, 0, genesis_hash(swarm.preset), work=0, ready=True, view=MAX_VIEW)
         follower = threading.Thread(target=follow, daemon=True)
         follower.start()
         # 4. No ticket, an expired one, a revoked one.
@@ -194,10 +194,7 @@ def test_hostile_peers_cannot_move_the_swarm(swarm: Swarm) -> None:
 
 
 def _numel_of(swarm: Swarm) -> int:
-    from swarmloco.peer.cli import build_replica
-    from swarmloco.peer.config import build_config
-
-    r = build_replica(build_config(env={}))
+    r = replica(swarm.preset)
     return sum(r.global_params[n].numel() for n in r.names)
 
 
@@ -222,8 +219,8 @@ def test_a_split_swarm_certifies_both_sides_and_heals_into_one_chain(swarm: Swar
     try:
         for name in ("h1", "h2"):
             swarm.start(name, rounds=8, wait_for=2, inner_steps=5)
-        for name in ("l1", "l2"):
-            swarm.start(name, "--slowdown", "4", rounds=8, wait_for=2, inner_steps=5, bootstrap=other_bootstrap)
+        for name in ("l1", "l2"):  # 40x slower steps (sleeping): the light half certifies rounds more slowly
+            swarm.start(name, "--slowdown", "40", rounds=8, wait_for=2, inner_steps=5, bootstrap=other_bootstrap)
         swarm.wait_for(lambda: len(swarm.committed("h1")) >= 2 and len(swarm.committed("l1")) >= 1, 240,
                        "both halves to certify rounds on their own")
         heavy, light = swarm.committed("h1"), swarm.committed("l1")

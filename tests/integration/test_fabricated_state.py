@@ -21,7 +21,7 @@ from _hostile_nodes import key as _key
 from _hostile_nodes import node as _node
 from _hostile_nodes import serve as _serve
 from _hostile_nodes import ticket as _ticket
-from swarm_harness import Swarm, assert_no_split
+from swarm_harness import Swarm, assert_no_split, replica
 
 from swarmloco.protocol.chain.state_sync import ServedState
 from swarmloco.protocol.network.node import SwarmNode
@@ -31,13 +31,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 HONEST = ["a", "b", "c"]
 
 
-def _fabricated(scale: float) -> tuple[bytes, str]:
+def _fabricated(swarm: Swarm, scale: float) -> tuple[bytes, str]:
     """θ_0 of the swarm's model times `scale`, zero momentum: finite, well formed, and useless."""
-    from swarmloco.peer.cli import build_replica
-    from swarmloco.peer.config import build_config
     from swarmloco.peer.swarm_state import state_blob
 
-    r = build_replica(build_config(env={}))
+    r = replica(swarm.preset)
     r.load_global({n: t * scale for n, t in r.global_params.items()}, r.momentum, 0, keep_local=False)
     return state_blob(r), r.state_hash()
 
@@ -46,7 +44,7 @@ def _attack(swarm: Swarm, fingerprint: str, *, tag: str, signers: int, round_num
             scale: float) -> tuple[SwarmNode, str]:
     """`signers` admitted identities certify a fabricated state at `round_number`; one of them claims and serves
     it (a signer needs no record of its own). Returns the serving node and the state's hash."""
-    blob, state_hash = _fabricated(scale)
+    blob, state_hash = _fabricated(swarm, scale)
     keys = {n: _key(swarm, n) for n in (f"{tag}-{i}" for i in range(signers))}
     ids = sorted(keys.values(), key=lambda i: i.peer_id)
     tickets = {n: _ticket(swarm, n) for n in keys}

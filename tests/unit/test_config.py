@@ -33,7 +33,7 @@ def _parse(*argv: str) -> argparse.Namespace:
     [
         (["--max-steps", "ten"], "max_steps: got 'ten', allowed a value of type int"),
         (["--max-steps", "-1"], "max_steps: got -1, allowed >= 0"),
-        (["--preset", "huge"], "preset: got 'huge', allowed tiny, small, base"),
+        (["--preset", "huge"], "preset: got 'huge', allowed nano, tiny, small, base"),
         (["--inner-lr", "2"], "inner_lr: got 2.0, allowed 0 < lr <= 1"),
         (["--outer-momentum", "1.5"], "outer momentum: got 1.5, allowed 0 <= momentum < 1"),
         (["--log-format", "xml"], "log_format: got 'xml', allowed text, json"),
