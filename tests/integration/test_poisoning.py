@@ -21,8 +21,7 @@ from typing import Any
 import pytest
 from swarm_harness import Swarm, assert_no_split
 
-PRESET = "tiny"  # not the harness's nano: the losses compared here must move measurably in five rounds
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600), pytest.mark.preset(PRESET)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 ROUNDS = 5
 HONEST = ["a", "b", "c"]
 
@@ -62,7 +61,7 @@ def _all_rounds(run: dict[str, Any]) -> bool:
 
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory: pytest.TempPathFactory, peer_zygote: Any) -> float:
-    s = Swarm(tmp_path_factory.mktemp("clean"), spawner=peer_zygote, preset=PRESET)
+    s = Swarm(tmp_path_factory.mktemp("clean"), spawner=peer_zygote)
     try:
         run = _run(s)
         assert all(c == 0 for c in run["codes"].values()), s.tails()
