@@ -36,6 +36,8 @@ def test_local_swarm_three_peers_three_rounds(tmp_path: Path, cli_env: dict[str,
             "swarm",
             "--peers",
             "3",
+            "--preset",  # the model the harness's peers train too: the launcher and the rounds are what is tested
+            "nano",
             "--rounds",
             "3",
             "--inner-steps",

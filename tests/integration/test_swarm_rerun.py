@@ -11,7 +11,7 @@ from conftest import run_swarmloco
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
-ARGS = ["swarm", "--peers", "2", "--rounds", "1", "--inner-steps", "5", "--threads", "1",
+ARGS = ["swarm", "--peers", "2", "--preset", "nano", "--rounds", "1", "--inner-steps", "5", "--threads", "1",
         "--peer-arg=--batch-size=4", "--peer-arg=--warmup-steps=2", "--peer-arg=--grace-max=2"]
 
 
