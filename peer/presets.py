@@ -24,8 +24,8 @@ class GPTConfig:
         return asdict(self)
 
 
-# ~0.1M, ~1M, ~10M and ~50M parameters. "nano" learns little: it is for runs that exercise the protocol, not the
-# model (a step is ~7x cheaper than tiny's on one CPU core); "tiny" is sized to learn in CI on 2 CPU cores.
+# ~0.1M, ~1M, ~10M and ~50M parameters. "nano" is too small to be worth training: it is for runs that exercise the
+# protocol, not the model (a step is ~7x cheaper than tiny's on one CPU core); "tiny" is sized for CI on 2 CPU cores.
 PRESETS: dict[str, GPTConfig] = {
     "nano": GPTConfig(context=64, d_model=64, n_layers=2, n_heads=4),
     "tiny": GPTConfig(context=128, d_model=128, n_layers=4, n_heads=4),
