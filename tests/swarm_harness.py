@@ -18,9 +18,9 @@ from swarmloco.protocol.round.schedule import view_rank
 from swarmloco.protocol.trust.identity import load_or_create_identity
 from swarmloco.swarm import PeerProc
 
-# The harness's model: "nano" exercises the protocol at a seventh of tiny's compute per step, and still learns
-# enough in five rounds for the poisoning tests' loss comparisons (5.5 -> ~2.5). A test whose checks need a state
-# of several MiB (tests/integration/test_round_dos.py) asks for tiny: `@pytest.mark.preset("tiny")`.
+# The harness's model: "nano" exercises the protocol at a seventh of tiny's compute per step. A test whose checks
+# were calibrated on tiny's losses (test_poisoning.py) or need a state of several MiB (test_round_dos.py) asks for
+# tiny: `@pytest.mark.preset("tiny")` on the test or module.
 PRESET = "nano"
 FAST = [
     "--batch-size",

@@ -19,9 +19,13 @@ import math
 from typing import Any
 
 import pytest
+from swarm_harness import PRESET as HARNESS_PRESET
 from swarm_harness import Swarm, assert_no_split
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+# tiny, not the harness's nano: on nano the free rider's final loss came within 2% of a clean run in 2 runs of 3
+# only (0.97x, 0.98x, 1.027x: clean runs alone differ by ~1.5%); the bounds below were calibrated on tiny
+PRESET = "tiny"
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600), pytest.mark.preset(PRESET)]
 ROUNDS = 5
 HONEST = ["a", "b", "c"]
 
@@ -61,7 +65,7 @@ def _all_rounds(run: dict[str, Any]) -> bool:
 
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory: pytest.TempPathFactory, peer_zygote: Any) -> float:
-    s = Swarm(tmp_path_factory.mktemp("clean"), spawner=peer_zygote)
+    s = Swarm(tmp_path_factory.mktemp("clean"), spawner=peer_zygote, preset=PRESET)
     try:
         run = _run(s)
         assert all(c == 0 for c in run["codes"].values()), s.tails()
@@ -117,6 +121,7 @@ def test_plain_mean_is_poisoned_the_control(swarm: Swarm, clean: float) -> None:
     assert crashed or not all(math.isfinite(x) for x in losses) or min(losses) > 1.5 * clean, (losses, clean)
 
 
+@pytest.mark.preset(HARNESS_PRESET)  # compares no loss: the harness's cheaper model will do
 def test_a_cheating_reducer_is_never_certified_and_is_banned(swarm: Swarm) -> None:
     """One real-process case (a reducer that flips its result); flip, noise1000 and equivocate are each covered on
     the in-memory transport (tests/unit/test_robust_rounds.py)."""
