@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +173,13 @@ class Swarm:
                 except Exception:  # reported through the return codes below
                     pass
         return {name: (p.proc.poll() if p.proc else None) for name, p in self.peers.items()}
+
+    def stop(self, names: Iterable[str], timeout: float = 120) -> dict[str, int | None]:
+        """SIGTERM the named peers (a clean shutdown: each finishes or gives up its round and writes its summary),
+        then wait for every peer to exit; returns every peer's exit code, as `wait_exit`."""
+        for name in names:
+            self.peers[name].proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+        return self.wait_exit(timeout)
 
     def summary(self, name: str) -> dict[str, Any]:
         return json.loads((self.peers[name].workdir / "summary.json").read_text())

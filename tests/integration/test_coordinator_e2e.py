@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 import pytest
 import requests
 from _coordinator_helpers import ROOT, alive, child_env, descendants
+from swarm_harness import PRESET
 
 pytestmark = [pytest.mark.integration]
 
@@ -203,7 +204,7 @@ def test_swarm_with_its_own_coordinator(procs: Procs, tmp_path: Path) -> None:
     """(a) The default `swarmloco swarm` starts a coordinator, prints its dashboard URL, and its peers report there:
     the rounds it lists are the rounds of the swarm's summary. Checked live, and from the database afterwards."""
     work, summary_path = tmp_path / "swarm", tmp_path / "summary.json"
-    swarm = procs.swarm(work, "--peers", "3", "--preset", "nano", "--rounds", "3", "--inner-steps", "10",
+    swarm = procs.swarm(work, "--peers", "3", "--preset", PRESET, "--rounds", "3", "--inner-steps", "10",
                         "--run-id", "e2e-a", "--summary-json", str(summary_path), *PEER_ARGS)
     log = work.with_suffix(".log")
 

@@ -11,7 +11,6 @@ signers after the honest swarm has certified rounds. Without that check, the hon
 from __future__ import annotations
 
 import secrets
-import signal
 from typing import Any
 
 import pytest
@@ -85,10 +84,7 @@ def test_sybils_certifying_a_fabricated_state_are_refused(swarm: Swarm) -> None:
         done = max(max(swarm.committed(n)) for n in HONEST) + 3
         swarm.wait_for(lambda: all(max(swarm.committed(n)) >= done for n in HONEST), 180,
                        "three more certified rounds after the second attack")
-        for name in HONEST:
-            swarm.peers[name].proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
-        codes = swarm.wait_exit(120)
-        assert all(code == 0 for code in codes.values()), swarm.tails()
+        assert all(code == 0 for code in swarm.stop(HONEST).values()), swarm.tails()
     finally:
         for node in hostile:
             node.shutdown()

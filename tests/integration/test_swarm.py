@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli
-from swarm_harness import Swarm, assert_no_split
+from swarm_harness import PRESET, Swarm, assert_no_split
 
 from swarmloco.peer.presets import PRESETS
 
@@ -37,7 +37,7 @@ def test_local_swarm_three_peers_three_rounds(tmp_path: Path, cli_env: dict[str,
             "--peers",
             "3",
             "--preset",  # the model the harness's peers train too: the launcher and the rounds are what is tested
-            "nano",
+            PRESET,
             "--rounds",
             "3",
             "--inner-steps",
@@ -74,10 +74,7 @@ def test_late_joiner_gets_verified_state_before_contributing(swarm: Swarm) -> No
     swarm.wait_for(lambda: 2 in swarm.committed("a"), 150, "round 2 on a")
     swarm.start("c", rounds=40)
     swarm.wait_for(lambda: len(swarm.committed("c")) >= 2, 200, "two rounds committed by the joiner")
-    for name in ("a", "b", "c"):
-        swarm.peers[name].proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
-    codes = swarm.wait_exit(120)
-    assert all(code == 0 for code in codes.values()), swarm.tails()
+    assert all(code == 0 for code in swarm.stop(["a", "b", "c"]).values()), swarm.tails()
     hashes = assert_no_split(swarm, ["a", "b", "c"])
     events = [e for e in swarm.events("c") if e["event"] in ("resync", "round")]
     assert events and events[0]["event"] == "resync", events[:3]
@@ -201,9 +198,7 @@ def test_incompatible_peer_is_refused_with_reason(swarm: Swarm) -> None:
     err = (other.workdir / "stderr.log").read_text()
     theirs = PRESETS[swarm.preset].d_model
     assert "the swarm trains a different model" in err and f"d_model: ours 320 vs theirs {theirs}" in err, err[-2000:]
-    for name in ("a", "b"):
-        swarm.peers[name].proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
-    assert swarm.wait_exit(120) == {"a": 0, "b": 0, "other": 3}, swarm.tails()
+    assert swarm.stop(["a", "b"]) == {"a": 0, "b": 0, "other": 3}, swarm.tails()
 
 
 def test_bad_sender_excluded_round_succeeds(swarm: Swarm) -> None:

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 from conftest import run_swarmloco
+from swarm_harness import PRESET
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
-ARGS = ["swarm", "--peers", "2", "--preset", "nano", "--rounds", "1", "--inner-steps", "5", "--threads", "1",
+ARGS = ["swarm", "--peers", "2", "--preset", PRESET, "--rounds", "1", "--inner-steps", "5", "--threads", "1",
         "--peer-arg=--batch-size=4", "--peer-arg=--warmup-steps=2", "--peer-arg=--grace-max=2"]
 
 
