@@ -20,7 +20,7 @@ from swarmloco.protocol.base.text import short_hash
 from swarmloco.protocol.chain.chain import Chain
 from swarmloco.protocol.chain.config import FetchConfig
 from swarmloco.protocol.chain.forks import Behind
-from swarmloco.protocol.chain.state_sync import StateSyncError, download_state
+from swarmloco.protocol.chain.state_sync import StateSyncError, download_latest
 from swarmloco.protocol.network.transport import Transport
 from swarmloco.protocol.round.config import LocalModel
 from swarmloco.protocol.trust.certificates import Certificate, Head
@@ -164,21 +164,27 @@ def resumed_head(replica: Replica, resumed: dict[str, Any], *, genesis: str,
     return Head(replica.round, state_hash, 0)  # no certified work: it never outranks a certified chain
 
 
-def fetch_state(node: Transport, target: Behind, replica: Replica, *, fingerprint: str, control_timeout_s: float,
-                ticket: bytes) -> tuple[memoryview, list[str]] | None:
+def fetch_state(node: Transport, chain: Chain, target: Behind, replica: Replica, *, fingerprint: str,
+                control_timeout_s: float, ticket: bytes) -> tuple[memoryview, list[str], Behind] | None:
     """Download the target's state from its donors, every chunk checked against the leaves its certified hash
-    commits to; returns (blob, donors that failed or lied), or None (logged) when no donor delivered in time."""
+    commits to; returns (blob, donors that failed or lied, the state downloaded), or None (logged) when no donor
+    delivered in time. The state downloaded is a newer one than the target when the donors moved on to it since the
+    target was chosen and `chain` takes it instead (`Chain.follows`)."""
     try:
-        return node.call(
-            download_state(node, donors=target.donors, round_number=target.round, state_hash=target.state_hash,
-                           layout=layout_of(replica), fingerprint=fingerprint,
-                           config=FetchConfig(control_timeout_s=control_timeout_s), ticket=ticket,
-                           timeout=DOWNLOAD_TIMEOUT_S - 5),
+        blob, bad, followed = node.call(
+            download_latest(node, donors=target.donors, round_number=target.round, state_hash=target.state_hash,
+                            layout=layout_of(replica), follow=lambda cert: chain.follows(cert, target),
+                            fingerprint=fingerprint, config=FetchConfig(control_timeout_s=control_timeout_s),
+                            ticket=ticket, timeout=DOWNLOAD_TIMEOUT_S - 5),
             timeout=DOWNLOAD_TIMEOUT_S,
         )
     except (StateSyncError, concurrent.futures.TimeoutError) as exc:
         logger.warning("re-sync to round %d failed: %s", target.round, exc)
         return None
+    if followed is not None:
+        s = followed.statement
+        target = Behind(round=s.round, state_hash=s.new_hash, donors=target.donors, work=s.work, certificate=followed)
+    return blob, bad, target
 
 
 def linger_for_peers(seconds: float, *, round_: int, wanted: int, read: Callable[[], dict[str, PeerRecord]],

@@ -165,12 +165,12 @@ class SwarmSync:
         enough."""
         r = self.replica
         started = time.perf_counter()
-        fetched = fetch_state(self.node, target, r, fingerprint=self.model.fingerprint,
+        fetched = fetch_state(self.node, self.averager.chain, target, r, fingerprint=self.model.fingerprint,
                               control_timeout_s=self.cfg.round.control_timeout_s,
                               ticket=self.admission.credentials.ticket)
         if fetched is None:
             return False
-        blob, bad = fetched
+        blob, bad, target = fetched  # (a newer state than the target when the donors moved on to it)
         params, momentum = parse_blob(blob, r)
         # The hash matched a certified statement; whether the state is worth training from is ours to judge.
         cert = target.certificate

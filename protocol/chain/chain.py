@@ -49,6 +49,7 @@ class Chain:
         self._moved: OrderedDict[tuple[int, str], tuple[Certificate, str]] = OrderedDict()
         # states this peer downloaded and refused on its own checks: never fetched again
         self._refused: OrderedDict[tuple[int, str], None] = OrderedDict()
+        self._seen: dict[str, PeerRecord] = {}  # the records of the last look for a target
 
     def close(self) -> None:
         """Cancel the background certificate checks still running (on the loop)."""
@@ -99,6 +100,7 @@ class Chain:
         asked again for a while. `wait`: how long to wait for those checks before answering with what is verified
         (None: three control timeouts). Matchmaking passes 0, so a stranger's claim, answered or not, never delays
         leading, joining or the exchange: a claim verified in the background is acted on at the next look."""
+        self._seen = dict(records)
         claims = self._claims(records)[:MAX_CLAIMS_CHECKED]
         checks = [task for claim in claims if (task := self._check(claim)) is not None]
         wait = 3 * self.control_timeout if wait is None else wait
@@ -112,6 +114,22 @@ class Chain:
             if behind is not None:
                 return behind
         return None
+
+    def follows(self, certificate: Certificate, target: Behind) -> bool:
+        """Whether a download of `target` may take instead the state `certificate` certifies, which a donor serves
+        now: valid, ahead of the target and of our state by the fork choice, not refused, and speaking for the swarm
+        of our last look, as any target must (a donor's newer state passes the tests a claim passes)."""
+        s = certificate.statement
+        if self.verify(certificate) or (s.round, s.new_hash) in self._refused:
+            return False
+        if not outranks((s.work, s.round, s.new_hash), (target.work, target.round, target.state_hash)) or \
+                not self._ahead_of_head(s.work, s.round, s.new_hash):
+            return False
+        claim = StateClaim(round=s.round, state_hash=s.new_hash, work=s.work, donors=())
+        if not self._speaks_for_us(claim, certificate, self._seen):
+            return False
+        self._remember((s.round, s.new_hash), certificate)
+        return True
 
     def _check(self, claim: StateClaim) -> asyncio.Task[None] | None:
         """The background check of a claim not verified yet (started here if none runs and there is room)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
@@ -35,9 +35,12 @@ from swarmloco.protocol.network.transport import Transport
 from swarmloco.protocol.trust.admission import Credentials, Gate
 from swarmloco.protocol.trust.certificates import Certificate
 
-__all__ = ["ServeLimits", "ServedState", "StateServer", "StateSyncError", "download_state",
+__all__ = ["ServeLimits", "ServedState", "StateServer", "StateSyncError", "download_latest", "download_state",
            "fetch_certificate", "state_handler"]
 logger = logging.getLogger(__name__)
+# A manifest's header carries the served state's certificate up to this size (the frame header's cap is 64 KiB);
+# a larger one is left out, and a joiner that asked for an older state then only learns that the donor moved on.
+MANIFEST_CERT_BYTES = 48 * 1024
 
 
 @dataclass(frozen=True)
@@ -156,9 +159,11 @@ class StateServer:
             addrs: list[str] = []
             if self.data_plane is not None and (addrs := self._data_addrs()):
                 token, conn = self.data_plane.expect(me=self.node.peer_id, run_id=self.node.run_id, sender=caller)
+            # the certificate lets a joiner that asked for an older state take this one instead (Transfer)
+            cert = state.certificate if len(state.certificate) <= MANIFEST_CERT_BYTES else b""
             header = pb.StateHeader(ok=True, round=state.round, state_hash=state.state_hash,
                                     total_bytes=len(state.blob), leaf_bytes=LEAF_BYTES, data_addrs=addrs,
-                                    data_token=token)
+                                    data_token=token, certificate=cert)
             await write_frame(writer, header, b"".join(leaves), timeout=control)
             channel, first = await self._channel(reader, writer, conn)
             blob = memoryview(self.hooks.served_state(state.blob)).cast("B")
@@ -259,9 +264,33 @@ async def download_state(
     StateSyncError, also when `timeout` passes."""
     transfer = Transfer(node, layout, round_number=round_number, state_hash=state_hash, fingerprint=fingerprint,
                         ticket=ticket, cfg=config or FetchConfig())
+    return await _run(transfer, donors, timeout), transfer.bad
+
+
+async def download_latest(
+    node: Transport,
+    *,
+    donors: Sequence[str],
+    round_number: int,
+    state_hash: str,
+    layout: StateLayout,
+    follow: Callable[[Certificate], bool],
+    fingerprint: str,
+    ticket: bytes = b"",
+    config: FetchConfig | None = None,
+    timeout: float = 300.0,
+) -> tuple[memoryview, list[str], Certificate | None]:
+    """`download_state`, but a donor that has moved on since the target was chosen may move the download to the
+    certified state it now serves, when `follow` accepts that state's certificate. Returns (blob, failures, the
+    certificate of the state downloaded instead, or None when it is the one asked for)."""
+    transfer = Transfer(node, layout, round_number=round_number, state_hash=state_hash, fingerprint=fingerprint,
+                        ticket=ticket, cfg=config or FetchConfig(), follow=follow)
+    return await _run(transfer, donors, timeout), transfer.bad, transfer.followed
+
+
+async def _run(transfer: Transfer, donors: Sequence[str], timeout: float) -> memoryview:
     try:
-        blob = await asyncio.wait_for(transfer.run(donors), timeout)
+        return await asyncio.wait_for(transfer.run(donors), timeout)
     except TimeoutError:
-        raise StateSyncError(f"state download of round {round_number} timed out after {timeout:.0f}s "
+        raise StateSyncError(f"state download of round {transfer.round_number} timed out after {timeout:.0f}s "
                              f"(failures: {[short_id(d) for d in transfer.bad]})") from None
-    return blob, transfer.bad

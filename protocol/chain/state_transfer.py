@@ -16,7 +16,7 @@ import asyncio
 import logging
 import random
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -33,6 +33,7 @@ from swarmloco.protocol.chain.config import FetchConfig
 from swarmloco.protocol.network.data_hello import signer_of
 from swarmloco.protocol.network.data_plane import connect
 from swarmloco.protocol.network.transport import Transport
+from swarmloco.protocol.trust.certificates import Certificate
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
@@ -158,12 +159,21 @@ class ChunkCallback(Protocol):
 
 
 class Transfer:
-    """One verified download: the shared chunk queue, the assembled blob, and what each donor did."""
+    """One verified download: the shared chunk queue, the assembled blob, and what each donor did.
+
+    A donor serves only its current state, so a swarm that certifies a round between the joiner's choice of target
+    and its request has moved every donor past that target. With `follow`, the first donor to answer may move the
+    download on: its manifest carries the certificate of the state it now serves, and the download takes that state
+    instead when its leaves hash to the certified hash and `follow` (the caller's fork choice) accepts the
+    certificate. Without it, a peer whose re-sync takes longer than a round would chase the swarm's head forever."""
 
     def __init__(self, node: Transport, layout: StateLayout, *, round_number: int, state_hash: str,
-                 fingerprint: str, ticket: bytes, cfg: FetchConfig) -> None:
+                 fingerprint: str, ticket: bytes, cfg: FetchConfig,
+                 follow: Callable[[Certificate], bool] | None = None) -> None:
         self.node, self.layout, self.cfg = node, layout, cfg
         self.round_number, self.state_hash = round_number, state_hash
+        self.follow = follow
+        self.followed: Certificate | None = None  # the certificate of the newer state taken instead (see above)
         self.fingerprint, self.ticket = fingerprint, ticket
         # Not zero-filled by us (a bytearray would be: one more pass over the whole state, on the loop, before the
         # first request), its pages faulted in on another core ahead of the chunks; every byte is written by a
@@ -255,15 +265,36 @@ class Transfer:
                                                    timeout=timeout)
         if not header.ok:
             raise (_Busy if header.busy else StateSyncError)(f"donor refused: {bounded(header.message, 200)}")
-        if header.round != self.round_number or header.state_hash != self.state_hash:
-            raise StateSyncError(f"donor now serves round {header.round}, wanted {self.round_number}")
         if header.total_bytes != self.layout.total_bytes or header.leaf_bytes != LEAF_BYTES:
             raise _Lied(f"donor's blob size {header.total_bytes} / leaf {header.leaf_bytes} do not fit the model")
         leaves = tuple(bytes(payload[i : i + DIGEST_BYTES]) for i in range(0, len(payload), DIGEST_BYTES))
+        if header.round != self.round_number or header.state_hash != self.state_hash:
+            self._move_on(header, leaves)
         if self.layout.root(leaves) != self.state_hash:
             raise _Lied("its leaf digests do not hash to the certified state hash")
         self.leaves = leaves  # any list that passed is the same list: the root commits to it
         return header
+
+    def _move_on(self, header: pb.StateHeader, leaves: tuple[bytes, ...]) -> None:
+        """Take the newer state this donor serves as the download's target, or raise StateSyncError. Only before
+        any donor's manifest was taken (no chunk is in flight yet), and only a state whose certificate names the
+        leaves the donor just committed to: a certificate anyone can copy moves nothing unless the donor can serve
+        its state. `follow` comes last, so that once it accepts, the download takes that state."""
+        moved = f"donor now serves round {header.round}, wanted {self.round_number}"
+        if self.follow is None or self.leaves is not None or not header.certificate:
+            raise StateSyncError(moved)
+        try:
+            cert = Certificate.from_bytes(bytes(header.certificate))
+        except ValueError as exc:
+            raise _Lied(f"{moved}, with a malformed certificate: {exc}") from None
+        s = cert.statement
+        if (s.round, s.new_hash) != (header.round, header.state_hash) or self.layout.root(leaves) != s.new_hash:
+            raise _Lied(f"{moved}, but its certificate or its leaf digests are not of that state")
+        if not self.follow(cert):
+            raise StateSyncError(f"{moved}, a state we do not take instead")
+        logger.info("state download moves on from round %d to round %d: the donors serve it now", self.round_number,
+                    s.round)
+        self.round_number, self.state_hash, self.followed = s.round, s.new_hash, cert
 
     async def _pump(self, donor: str, channel: Channel) -> None:
         """Pull chunks from the shared queue through this donor, `window` ahead, until nothing is missing."""

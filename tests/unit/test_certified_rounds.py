@@ -138,6 +138,40 @@ def test_a_refused_state_is_never_a_target_and_its_claimants_are_distrusted(net:
     assert not set(found.donors) & set(joiner.chain.credible(records))
 
 
+def test_a_download_follows_a_donor_only_to_a_valid_state_ahead_of_its_target(net: FakeNetwork) -> None:
+    """A donor that moved on since the target was chosen offers its newer state's certificate with its manifest
+    (protocol/chain/state_transfer.py). The joiner's chain takes it instead of the target only as it would take a
+    claim: valid, ahead of the target by the fork choice, not refused."""
+    swarm = _admitted(net, 3, quorum=3)
+    servers = [serve_state(a) for a in swarm]
+    results, _ = _round_of(swarm)
+    for a, s in zip(swarm, servers, strict=True):
+        publish(a, s, ready=False)
+    (joiner,) = _admitted(net, 1, quorum=2)
+    chain, cert = joiner.chain, results[0].certificate
+    assert joiner.transport.call(chain.target(_records_seen_by(joiner)), timeout=10) is not None
+
+    async def follows(certificate: Certificate, target: Behind) -> bool:
+        return chain.follows(certificate, target)
+
+    def follow(certificate: Certificate, target: Behind | None = None) -> bool:
+        target = target or Behind(round=0, state_hash=H0, donors=[])
+        return joiner.transport.call(follows(certificate, target), timeout=5)
+
+    s = cert.statement
+    assert follow(cert)
+    assert not follow(cert, Behind(round=s.round, state_hash=s.new_hash, donors=[], work=s.work))  # not ahead
+    assert not follow(Certificate(s, {}, cert.tickets))  # unsigned
+    me = joiner.transport.credentials.identity
+    assert not follow(_forge(joiner.transport, signers=[me], swarm=1, run_id=joiner.transport.run_id))
+
+    async def refuse() -> None:
+        chain.refuse(s.round, s.new_hash, [])
+
+    joiner.transport.call(refuse(), timeout=5)
+    assert not follow(cert)
+
+
 def _forge(attacker: FakeTransport, *, signers: list[Identity], swarm: int, run_id: str) -> Certificate:
     members = tuple(sorted(s.peer_id for s in signers))
     statement = Statement(run_id=run_id, round=1001, prev_hash="e" * 64, new_hash="f" * 64, members=members,

@@ -21,12 +21,14 @@ from swarmloco.protocol.chain.state_sync import (
     ServeLimits,
     StateServer,
     StateSyncError,
+    download_latest,
     download_state,
     fetch_certificate,
     state_handler,
 )
 from swarmloco.protocol.network.data_plane import DataPlane, connect
 from swarmloco.protocol.testing.fake import FakeNetwork, FakeTransport
+from swarmloco.protocol.trust.certificates import Certificate, Statement
 
 pytestmark = pytest.mark.timeout(60)
 SHAPES = {"w": torch.Size([3 * LEAF_BYTES // 4 // 2 + 1000]), "b": torch.Size([77])}  # 3 leaves and a bit
@@ -34,8 +36,8 @@ NAMES = ["w", "b"]
 FAST = FetchConfig(chunk_timeout_s=2.0, control_timeout_s=2.0, connect_timeout_s=1.0, busy_retry_s=0.05)
 
 
-def _state() -> tuple[bytes, str, StateLayout]:
-    g = torch.Generator().manual_seed(0)
+def _state(seed: int = 0) -> tuple[bytes, str, StateLayout]:
+    g = torch.Generator().manual_seed(seed)
     params = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
     momentum = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
     flat = torch.cat([params[n].reshape(-1) for n in NAMES] + [momentum[n].reshape(-1) for n in NAMES])
@@ -44,6 +46,7 @@ def _state() -> tuple[bytes, str, StateLayout]:
 
 
 BLOB, ROOT, LAYOUT = _state()
+OLDER_BLOB, OLDER_ROOT, _ = _state(1)  # another state of the same model: round 2, before BLOB's round 3
 
 
 class _FlipBits(Hooks):
@@ -146,6 +149,76 @@ def test_donor_leaving_mid_transfer_loses_only_its_chunks(net: FakeNetwork) -> N
     # The quitter is reported once the joiner notices it is gone; when the steady donor hands over the last chunk
     # first, the download ends before that (a race the result does not depend on).
     assert bytes(got) == BLOB and set(bad) <= {quitter.peer_id} and sq.sent == 1
+
+
+def _certified(t: FakeTransport, new_hash: str = ROOT) -> Certificate:
+    """A certificate of round 3 (parsed by the joiner, never verified here: `follow` is the caller's judgement)."""
+    statement = Statement(run_id=t.run_id, round=3, prev_hash="a" * 64, new_hash=new_hash, members=(t.peer_id,),
+                          weights=(5,), swarm=1, work=5)
+    return Certificate(statement, {t.peer_id: Certificate.sign(t.credentials.identity, statement)})
+
+
+def _fetch_latest(net: FakeNetwork, donors: list[str], follow: object) -> tuple[bytearray, list[str], object]:
+    """Ask for round 2: every donor has moved on to round 3 since the target was chosen."""
+    job = download_latest(net.peer(), donors=donors, round_number=2, state_hash="a" * 64, layout=LAYOUT,
+                          follow=follow, fingerprint="fp", config=FAST, timeout=10.0)  # type: ignore[arg-type]
+    return net.call(job, timeout=20)  # type: ignore[no-any-return]
+
+
+def test_a_download_moves_on_to_the_certified_state_its_donors_moved_to(net: FakeNetwork) -> None:
+    """A swarm that certifies a round between a joiner's choice of target and its request has moved every donor on.
+    The donors' manifests carry their state's certificate; the joiner takes that state when its own judgement
+    (`follow`) accepts the certificate, and refuses it otherwise, as before."""
+    (a, sa), (b, sb) = _donor(net), _donor(net)
+    cert = _certified(a)
+    for server in (sa, sb):
+        server.publish(ServedState(round=3, state_hash=ROOT, blob=BLOB, certificate=cert.to_bytes()))
+    asked: list[Certificate] = []
+    got, bad, followed = _fetch_latest(net, [a.peer_id, b.peer_id], lambda c: asked.append(c) or True)
+    assert bytes(got) == BLOB and bad == [] and followed == cert and asked == [cert]  # asked once, by the first
+    with pytest.raises(StateSyncError, match="no donor served"):
+        _fetch_latest(net, [a.peer_id, b.peer_id], lambda c: False)
+    with pytest.raises(StateSyncError, match="no donor served"):  # without `follow`: the target or nothing
+        _fetch(net, net.peer(), [a.peer_id, b.peer_id], round_number=2, state_hash="a" * 64)
+
+
+class _SlowManifest(_Server):
+    async def _leaf_list(self, state: ServedState) -> tuple[bytes, ...]:
+        await asyncio.sleep(0.3)
+        return await super()._leaf_list(state)
+
+
+def test_a_download_under_way_is_not_moved(net: FakeNetwork) -> None:
+    """Once a donor's manifest of the target was taken, a later donor's newer state moves nothing: chunks of the
+    target may be in flight, and that donor simply fails this download."""
+    (steady, ss), (ahead, sa) = _donor(net), _donor(net, cls=_SlowManifest)
+    ss.publish(ServedState(round=2, state_hash=OLDER_ROOT, blob=OLDER_BLOB))
+    sa.publish(ServedState(round=3, state_hash=ROOT, blob=BLOB, certificate=_certified(ahead).to_bytes()))
+    ss.delay_s = 0.5  # type: ignore[attr-defined]  # still sending when the second manifest arrives
+    asked: list[Certificate] = []
+    job = download_latest(net.peer(), donors=[steady.peer_id, ahead.peer_id], round_number=2, state_hash=OLDER_ROOT,
+                          layout=LAYOUT, follow=lambda c: asked.append(c) or True, fingerprint="fp", config=FAST,
+                          timeout=10.0)
+    got, bad, followed = net.call(job, timeout=20)
+    assert bytes(got) == OLDER_BLOB and followed is None and asked == [] and bad == [ahead.peer_id]
+
+
+def test_a_certificate_the_donor_cannot_serve_moves_nothing(net: FakeNetwork) -> None:
+    """A certificate is public: any donor can copy a newer one. One whose certified hash is not the root of the
+    leaves the donor committed to (or that is not a certificate at all) is never offered to `follow`, so it cannot
+    move a download to a state its donor does not serve. A download of the state they do serve is unaffected."""
+    (liar, sl), (garbler, sg), (claimer, sc) = _donor(net), _donor(net), _donor(net)
+    sl.publish(ServedState(round=3, state_hash=ROOT, blob=BLOB, certificate=_certified(liar, "c" * 64).to_bytes()))
+    sg.publish(ServedState(round=3, state_hash=ROOT, blob=BLOB, certificate=b"{not json"))
+    # names the certified state in its header too, but its leaves are those of another blob
+    claimed = _certified(claimer, "c" * 64).to_bytes()
+    sc.publish(ServedState(round=3, state_hash="c" * 64, blob=BLOB, certificate=claimed))
+    asked: list[Certificate] = []
+    with pytest.raises(StateSyncError, match=r"no donor served verified state for round 2 \(3 failed"):
+        _fetch_latest(net, [liar.peer_id, garbler.peer_id, claimer.peer_id], lambda c: asked.append(c) or True)
+    assert asked == []
+    got, bad = _fetch(net, net.peer(), [liar.peer_id, garbler.peer_id])
+    assert bytes(got) == BLOB and bad == []
 
 
 def test_crowd_of_joiners_is_bounded_and_told_busy(net: FakeNetwork) -> None:
