@@ -28,6 +28,8 @@ def test_solo_run_learns_and_writes_summary(tmp_path: Path, cli_env: dict[str, s
             "10",
             "--inner-lr",
             "1e-3",
+            "--eval-every",  # the last round's eval is the summary's final loss; the others would only cost CPU
+            "4",
             "--workdir",
             str(tmp_path / "w"),
             "--summary-json",
