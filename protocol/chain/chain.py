@@ -117,10 +117,11 @@ class Chain:
 
     def follows(self, certificate: Certificate, target: Behind) -> bool:
         """Whether a download of `target` may take instead the state `certificate` certifies, which a donor serves
-        now: valid, ahead of the target and of our state by the fork choice, not refused, and speaking for the swarm
-        of our last look, as any target must (a donor's newer state passes the tests a claim passes)."""
-        s = certificate.statement
-        if self.verify(certificate) or (s.round, s.new_hash) in self._refused:
+        now: valid, ahead of the target and of our state by the fork choice, not refused nor before or beside the
+        authority's checkpoint, and speaking for the swarm of our last look (the tests a claim passes)."""
+        s, cp = certificate.statement, self.gate.checkpoint
+        if self.verify(certificate) or (s.round, s.new_hash) in self._refused or \
+                (cp is not None and cp.precedes(s.round, s.new_hash)):
             return False
         if not outranks((s.work, s.round, s.new_hash), (target.work, target.round, target.state_hash)) or \
                 not self._ahead_of_head(s.work, s.round, s.new_hash):

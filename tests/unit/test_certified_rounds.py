@@ -30,6 +30,7 @@ from swarmloco.protocol.round.schedule import view_leader
 from swarmloco.protocol.testing.fake import FakeNetwork, FakeTransport
 from swarmloco.protocol.trust.admission import Gate, Ticket
 from swarmloco.protocol.trust.certificates import Certificate, Head, Statement
+from swarmloco.protocol.trust.checkpoints import Checkpoint
 from swarmloco.protocol.trust.identity import Identity
 
 pytestmark = pytest.mark.timeout(60)
@@ -165,9 +166,16 @@ def test_a_download_follows_a_donor_only_to_a_valid_state_ahead_of_its_target(ne
     me = joiner.transport.credentials.identity
     assert not follow(_forge(joiner.transport, signers=[me], swarm=1, run_id=joiner.transport.run_id))
 
+    cp = Checkpoint.issue(AUTHORITY, run_id=joiner.transport.run_id, round=5, state_hash="c" * 64, work=10**6,
+                          seniors={})
+    assert chain.gate.update_checkpoint(cp.to_value())
+    assert not follow(cert)  # before the authority's checkpoint: no peer may adopt it
+    chain.gate.checkpoint = None
+
     async def refuse() -> None:
         chain.refuse(s.round, s.new_hash, [])
 
+    assert follow(cert)
     joiner.transport.call(refuse(), timeout=5)
     assert not follow(cert)
 
