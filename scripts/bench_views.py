@@ -18,6 +18,7 @@ import functools
 import random
 import statistics
 import time
+from collections.abc import Collection
 from typing import Any
 
 import swarmloco.protocol.round.schedule as schedule
@@ -50,6 +51,10 @@ def simulate(n: int, *, stall: float, visible: float, args: argparse.Namespace, 
     first = min(ready_at.values())
     sched = ViewSchedule(base_s=args.base)
     need = n // 2 + 1
+
+    def enough(peers: Collection[str]) -> bool:  # a group closes the moment it holds a majority (see above)
+        return len(peers) >= need
+
     views: dict[str, Views] = {}
     records = {p: _record(False, ready_at[p], 0) for p in ids}
     following: dict[str, tuple[str, int, float]] = {}  # member -> (leader, view, since)
@@ -61,11 +66,11 @@ def simulate(n: int, *, stall: float, visible: float, args: argparse.Namespace, 
             if ready_at[p] > t:
                 continue
             if p not in views:
-                views[p] = Views(round=1, state_hash=SEED, ready_at=ready_at[p], anchor=ready_at[p])
+                views[p] = Views(round=1, state_hash=SEED, ready_at=ready_at[p], anchor=float("inf"))
             seen = records if visible >= 1 else {q: r for q, r in records.items() if rng.random() < visible}
             here = {q: r for q, r in seen.items() if q != p}
-            views[p].see([r.eta for r in here.values() if r.ready], lookback_s=60.0)
-            d = decide(me=p, views=views[p], here=here, seed=SEED, schedule=sched, now=t)
+            views[p].see({q: r.eta for q, r in here.items() if r.ready}, me=p, lookback_s=60.0, enough=enough)
+            d = decide(me=p, views=views[p], here=here, seed=SEED, schedule=sched, now=t, enough=enough)
             records[p] = _record(True, ready_at[p], d.view)
             leading.pop(p, None)
             if d.action is Action.LEAD:

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 from collections.abc import Callable, Collection
 
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
@@ -114,11 +115,13 @@ class Matchmaker:
                         and p not in self.banned and p != me}
                 active = active_peers(records, round_number) | {me}
                 weights = self._weights()
-                views.see([r.eta for r in here.values() if r.ready], lookback_s=self.cfg.round_timeout_s)
+                enough = functools.partial(weights.enough, active=active)
+                views.see({p: r.eta for p, r in here.items() if r.ready}, me=me, lookback_s=self.cfg.round_timeout_s,
+                          enough=enough)
                 decision = decide(me=me, views=views, here=here, seed=self.seed or state_hash,
                                   schedule=self.schedule, now=self.clock.time(),
                                   eligible=self._eligible(here, weights), weight=weights.say,
-                                  enough=functools.partial(weights.enough, active=active))
+                                  enough=enough)
                 self.transport.update_record(view=decision.view)
                 if (decision.view, decision.leader) != last:
                     last = (decision.view, decision.leader)
@@ -158,7 +161,7 @@ class Matchmaker:
         views = self.views
         own = self.transport.own_record()
         if views is None or (views.round, views.state_hash) != (round_number, state_hash):
-            views = self.views = Views(round=round_number, state_hash=state_hash, ready_at=now, anchor=now)
+            views = self.views = Views(round=round_number, state_hash=state_hash, ready_at=now, anchor=math.inf)
         elif own is not None and not own.ready:  # busy since the last look (a closed group marks us so)
             views.ready_again(now)
         if self._formed is not None and self._formed[:2] == (round_number, state_hash):

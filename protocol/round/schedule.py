@@ -2,9 +2,12 @@
 
 A round at a state (r, hash) runs in views 0, 1, 2, ... . View v lasts `ViewSchedule.length(v)`: a base that doubles
 with every view up to a cap, so that under any (unknown) bound on delays some view is long enough for an honest
-leader to gather its group. The views are counted from the state's anchor: the earliest time a peer at that state
-said it was ready (its record's `eta` once `ready`), so every peer that reads the same records numbers the views
-alike, whoever read them first.
+leader to gather its group. The views are counted from the state's anchor: the time at which the peers at that state
+that said they were ready (their records' `eta` once `ready`) were first enough to close a group, so every peer
+that reads the same records numbers the views alike, whoever read them first. Not the earliest single readiness: a
+lone record backdating its own would move every peer's views on at once, to the long ones, where a staller that
+draws a view holds its members longest; moving the anchor takes enough ready peers to close a group (by seniority,
+where the authority has vouched for some).
 
 The leader of view v is, among the peers at the state that were ready by the view's cutoff (their records say
 `ready`, and their `eta` is when they became ready), the one whose hash of (seed, v, peer id) is lowest; where the
@@ -123,8 +126,8 @@ class Decision:
 class Views:
     """One peer's place in the views of one state: the anchor it has seen, and the lowest view it may still use.
 
-    The anchor only moves earlier (a peer ready before any we had seen), never further back than `lookback_s` before
-    our own readiness: a record backdating its readiness would otherwise jump the whole swarm to the capped views."""
+    The anchor (`see`) is when enough peers for a group were first ready; infinite until then. It only moves
+    earlier, as records of earlier readiness arrive, and never further back than `lookback_s` before our own."""
 
     round: int
     state_hash: str
@@ -151,9 +154,17 @@ class Views:
             since[peer] = eta
         return since
 
-    def see(self, ready_etas: Collection[float], *, lookback_s: float) -> None:
+    def see(self, ready: Mapping[str, float], *, me: str, lookback_s: float,
+            enough: Callable[[Collection[str]], bool] = lambda peers: True) -> None:
+        """Move the anchor to when the ready peers (peer -> when it became ready; `me` is added at `ready_at`) were
+        first `enough` for a group, where that is earlier: not the earliest readiness any one record states, which
+        a lone record backdating its readiness would choose for everybody (and put every peer in the long views at
+        once). Before enough peers were ready no group could close, so no view's time runs out (the anchor stays
+        infinite). Readiness earlier than `lookback_s` before ours is not believed."""
         earliest = self.ready_at - lookback_s
-        self.anchor = min([self.anchor, *(e for e in ready_etas if e >= earliest)])
+        believed = {p: eta for p, eta in ready.items() if eta >= earliest}
+        believed[me] = self.ready_at
+        self.anchor = min(self.anchor, _gathered(believed, enough))
 
     def ready_again(self, now: float) -> None:
         """Ready again after being busy at the same state (in the exchange of a group of ours that failed, or
@@ -177,8 +188,10 @@ def decide(*, me: str, views: Views, here: Mapping[str, PeerRecord], seed: str, 
             now - views.anchor >= schedule.start(view) + schedule.length(view) / 2:
         view = min(MAX_VIEW, view + 1)
     views.current = view
-    began = views.anchor + schedule.start(view)
-    ends_at = began + schedule.length(view)  # a view entered ahead of the schedule runs to its scheduled end
+    # a view entered ahead of the schedule runs to its scheduled end; before enough peers were ever ready at this
+    # state (no anchor yet) nothing runs out, and each look simply waits up to a view's length for more of them
+    began = views.anchor + schedule.start(view) if math.isfinite(views.anchor) else now
+    ends_at = began + schedule.length(view)
     cutoff = max(began, _gathered({**since, me: views.ready_at}, enough)) + schedule.window_s
     candidates = [p for p, eta in since.items() if eta <= cutoff]
     if views.ready_at <= cutoff:

@@ -11,7 +11,6 @@ Everything runs on 127.0.0.1 with free ports. Each test kills, by pid, every pro
 and the coordinator run in their own sessions; peers that outlive their launcher re-parent to pytest, which conftest
 makes a child subreaper) and then checks that none is left.
 """
-
 from __future__ import annotations
 
 import itertools

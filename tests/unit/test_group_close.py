@@ -53,15 +53,16 @@ def test_a_group_with_enough_members_closes_before_the_attempt_runs_out(net: Fak
 
 def test_a_peer_ready_at_once_does_not_lead_the_view_the_others_become_ready_in(net: FakeNetwork) -> None:
     """A holder (`lead=hold`: accepts members, never closes) says "ready" the moment the state appears; the three
-    honest peers train 5.5 s and are ready in view 1 (4 s to 12 s). Counted from the first readiness, view 1's
-    candidates were fixed at 5 s, with the holder alone among them: it led the view and held them to its end (the
-    round committed after 12 s). Drawn once three were ready, the view goes to an honest peer (this holder does not
-    win view 1's draw among all four), and the round commits at once, the holder contributing as a member."""
+    honest peers train 5.5 s. Were the views counted from the first readiness, they would run while the holder is
+    alone: view 1's candidates were then fixed at 5 s with the holder alone among them, it led the view and held them
+    to its end (the round committed after 12 s). The views start once enough peers for a group are ready (5.5 s), so
+    view 0 is drawn among all four, here to an honest peer (this holder does not win its draw), and the round
+    commits at once, the holder contributing as a member."""
     cfg = dict(quorum=3, grace_min_s=0.5, grace_max_s=2, round_timeout_s=30, view_s=4)
     honest = peers(net, 3, **cfg)  # type: ignore[arg-type]
     ids = [a.transport.peer_id for a in honest]
     transport = net.peer()
-    while view_leader(H0, 1, [*ids, transport.peer_id]) == transport.peer_id:
+    while view_leader(H0, 0, [*ids, transport.peer_id]) == transport.peer_id:
         transport = net.peer()
     holder = averager_for(transport, hooks=FaultInjector.parse("lead=hold@*"), **cfg)  # type: ignore[arg-type]
     announce(transport)
@@ -69,7 +70,7 @@ def test_a_peer_ready_at_once_does_not_lead_the_view_the_others_become_ready_in(
         announce(a.transport, ready=False, eta=net.clock.time() + 5.5)  # training
     done, results = _with_holder(net, honest, holder, Head(0, H0), honest_after=5.5)
     assert [r.outcome for r in results] == [Outcome.COMMITTED] * 3, [r.reason for r in results]
-    assert {r.leader for r in results} == {view_leader(H0, 1, [*ids, transport.peer_id])}
+    assert {r.leader for r in results} == {view_leader(H0, 0, [*ids, transport.peer_id])}
     assert max(done) < 7.5, done  # ready at 5.5 s
 
 

@@ -73,21 +73,42 @@ def test_a_late_reader_adopts_the_earliest_readiness_and_agrees() -> None:
     now = T0 + 9.0
     me = PEERS[0]
     assert decide(me=me, views=late, here={}, seed=H1, schedule=SCHEDULE, now=now).view == 1
-    late.see([T0, T0 + 1.0], lookback_s=60)
+    late.see({PEERS[1]: T0, PEERS[2]: T0 + 1.0}, me=me, lookback_s=60)
     assert late.anchor == T0
     here = _here(me)
     assert decide(me=me, views=late, here=here, seed=H1, schedule=SCHEDULE, now=now).view == \
         decide(me=me, views=early, here=here, seed=H1, schedule=SCHEDULE, now=now).view == 2
 
 
-def test_a_backdated_readiness_moves_the_anchor_no_further_than_the_lookback() -> None:
-    views = _views()
-    views.see([T0 - 86_400.0], lookback_s=30.0)  # a stranger says it was ready a day ago: ignored
+def test_a_lone_backdated_readiness_does_not_move_every_peer_to_the_long_views() -> None:
+    """A record saying its peer was ready long before anyone else. Where a group needs two peers, the anchor is when
+    two were first ready: the liar moves it no earlier than the earliest honest readiness (our own here), so the
+    swarm is not put in the long views at once; a day back is not believed at all. Where one peer is enough for a
+    group, the earliest readiness is the anchor, within the lookback."""
+    me, liar, other = PEERS[:3]
+
+    def two(peers: Collection[str]) -> bool:
+        return len(peers) >= 2
+
+    views = _views(anchor=float("inf"))
+    views.see({}, me=me, lookback_s=30.0, enough=two)
+    assert views.anchor == float("inf")  # alone: no group could close, no view's time runs
+    alone = decide(me=me, views=views, here={}, seed=H1, schedule=SCHEDULE, now=T0 + 100.0, enough=two)
+    assert (alone.view, alone.ends_at) == (0, T0 + 100.0 + SCHEDULE.length(0))
+    views.see({other: T0 + 3.0}, me=me, lookback_s=30.0, enough=two)
+    assert views.anchor == T0 + 3.0
+    views.see({liar: T0 - 20.0, other: T0 + 3.0}, me=me, lookback_s=30.0, enough=two)
     assert views.anchor == T0
-    views.see([T0 - 20.0], lookback_s=30.0)
-    assert views.anchor == T0 - 20.0
-    views.see([T0 + 50.0], lookback_s=30.0)  # the anchor only moves earlier
-    assert views.anchor == T0 - 20.0
+    here = {liar: rec(ready=True, eta=T0 - 20.0), other: rec(ready=True, eta=T0 + 3.0)}
+    assert decide(me=me, views=views, here=here, seed=H1, schedule=SCHEDULE, now=T0 + 1.0, enough=two).view == 0
+
+    single = _views()
+    single.see({liar: T0 - 86_400.0}, me=me, lookback_s=30.0)  # a stranger says it was ready a day ago: ignored
+    assert single.anchor == T0
+    single.see({liar: T0 - 20.0}, me=me, lookback_s=30.0)
+    assert single.anchor == T0 - 20.0
+    single.see({liar: T0 + 50.0}, me=me, lookback_s=30.0)  # the anchor only moves earlier
+    assert single.anchor == T0 - 20.0
 
 
 def test_an_advertised_later_view_ends_ours_only_past_its_half_and_by_one() -> None:
