@@ -103,14 +103,20 @@ def _round_of(averagers: list[Averager], offset: int = 0) -> tuple[list, list[Ap
     return round_from_heads(averagers, offset=offset)
 
 
-def test_a_peer_behind_adopts_the_certified_state_of_the_swarm(net: FakeNetwork) -> None:
+def _one_round_and_a_joiner(net: FakeNetwork) -> tuple[list[Averager], list, Averager]:  # type: ignore[type-arg]
+    """Three admitted peers certify round 1 and serve it; a fourth, still at θ_0, is admitted beside them."""
     swarm = _admitted(net, 3, quorum=3)
     servers = [serve_state(a) for a in swarm]
     results, _ = _round_of(swarm)
-    assert all(r.outcome == Outcome.COMMITTED for r in results)
     for a, s in zip(swarm, servers, strict=True):
         publish(a, s, ready=False)
     (joiner,) = _admitted(net, 1, quorum=2)
+    return swarm, results, joiner
+
+
+def test_a_peer_behind_adopts_the_certified_state_of_the_swarm(net: FakeNetwork) -> None:
+    swarm, results, joiner = _one_round_and_a_joiner(net)
+    assert all(r.outcome == Outcome.COMMITTED for r in results)
     found = joiner.find_group(0, H0).result(timeout=10)
     assert isinstance(found, Behind), found
     assert (found.round, found.state_hash) == (1, results[0].state_hash)
@@ -121,12 +127,7 @@ def test_a_peer_behind_adopts_the_certified_state_of_the_swarm(net: FakeNetwork)
 def test_a_refused_state_is_never_a_target_and_its_claimants_are_distrusted(net: FakeNetwork) -> None:
     """A certified state that failed the peer's own checks after download (peer/adoption.py) is not offered again,
     and the peers that claimed it no longer count toward the swarm a group needs a majority of."""
-    swarm = _admitted(net, 3, quorum=3)
-    servers = [serve_state(a) for a in swarm]
-    results, _ = _round_of(swarm)
-    for a, s in zip(swarm, servers, strict=True):
-        publish(a, s, ready=False)
-    (joiner,) = _admitted(net, 1, quorum=2)
+    _, results, joiner = _one_round_and_a_joiner(net)
     records = _records_seen_by(joiner)
     found = joiner.transport.call(joiner.chain.target(records), timeout=10)
     assert isinstance(found, Behind) and found.state_hash == results[0].state_hash
@@ -143,12 +144,7 @@ def test_a_download_follows_a_donor_only_to_a_valid_state_ahead_of_its_target(ne
     """A donor that moved on since the target was chosen offers its newer state's certificate with its manifest
     (protocol/chain/state_transfer.py). The joiner's chain takes it instead of the target only as it would take a
     claim: valid, ahead of the target by the fork choice, not refused."""
-    swarm = _admitted(net, 3, quorum=3)
-    servers = [serve_state(a) for a in swarm]
-    results, _ = _round_of(swarm)
-    for a, s in zip(swarm, servers, strict=True):
-        publish(a, s, ready=False)
-    (joiner,) = _admitted(net, 1, quorum=2)
+    swarm, results, joiner = _one_round_and_a_joiner(net)
     chain, cert = joiner.chain, results[0].certificate
     assert joiner.transport.call(chain.target(_records_seen_by(joiner)), timeout=10) is not None
 
