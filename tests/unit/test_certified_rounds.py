@@ -143,8 +143,8 @@ def test_a_refused_state_is_never_a_target_and_its_claimants_are_distrusted(net:
 def test_a_download_follows_a_donor_only_to_a_valid_state_ahead_of_its_target(net: FakeNetwork) -> None:
     """A donor that moved on since the target was chosen offers its newer state's certificate with its manifest
     (protocol/chain/state_transfer.py). The joiner's chain takes it instead of the target only as it would take a
-    claim: valid, ahead of the target by the fork choice, not refused."""
-    swarm, results, joiner = _one_round_and_a_joiner(net)
+    claim: valid, ahead of the target by the fork choice, not refused, not before the authority's checkpoint."""
+    _, results, joiner = _one_round_and_a_joiner(net)
     chain, cert = joiner.chain, results[0].certificate
     assert joiner.transport.call(chain.target(_records_seen_by(joiner)), timeout=10) is not None
 
