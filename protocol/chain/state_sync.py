@@ -262,9 +262,10 @@ async def download_state(
     """Fetch the state from up to `config.max_donors` donors at once, every chunk verified against the leaves the
     certified root commits to; returns (blob: a writable byte view, failures: donors that failed or lied). Raises
     StateSyncError, also when `timeout` passes."""
-    transfer = Transfer(node, layout, round_number=round_number, state_hash=state_hash, fingerprint=fingerprint,
-                        ticket=ticket, cfg=config or FetchConfig())
-    return await _run(transfer, donors, timeout), transfer.bad
+    blob, bad, _ = await download_latest(node, donors=donors, round_number=round_number, state_hash=state_hash,
+                                         layout=layout, follow=None, fingerprint=fingerprint, ticket=ticket,
+                                         config=config, timeout=timeout)
+    return blob, bad
 
 
 async def download_latest(
@@ -274,23 +275,20 @@ async def download_latest(
     round_number: int,
     state_hash: str,
     layout: StateLayout,
-    follow: Callable[[Certificate], bool],
+    follow: Callable[[Certificate], bool] | None,
     fingerprint: str,
     ticket: bytes = b"",
     config: FetchConfig | None = None,
     timeout: float = 300.0,
 ) -> tuple[memoryview, list[str], Certificate | None]:
     """`download_state`, but a donor that has moved on since the target was chosen may move the download to the
-    certified state it now serves, when `follow` accepts that state's certificate. Returns (blob, failures, the
-    certificate of the state downloaded instead, or None when it is the one asked for)."""
+    certified state it now serves, when `follow` accepts that state's certificate (None: never). Returns (blob,
+    failures, the certificate of the state downloaded instead, or None when it is the one asked for)."""
     transfer = Transfer(node, layout, round_number=round_number, state_hash=state_hash, fingerprint=fingerprint,
                         ticket=ticket, cfg=config or FetchConfig(), follow=follow)
-    return await _run(transfer, donors, timeout), transfer.bad, transfer.followed
-
-
-async def _run(transfer: Transfer, donors: Sequence[str], timeout: float) -> memoryview:
     try:
-        return await asyncio.wait_for(transfer.run(donors), timeout)
+        blob = await asyncio.wait_for(transfer.run(donors), timeout)
     except TimeoutError:
         raise StateSyncError(f"state download of round {transfer.round_number} timed out after {timeout:.0f}s "
                              f"(failures: {[short_id(d) for d in transfer.bad]})") from None
+    return blob, transfer.bad, transfer.followed
