@@ -25,6 +25,7 @@ from swarmloco.peer.credit_probe import credit_probe
 from swarmloco.peer.progress import finite_or_none, round_float
 from swarmloco.peer.replica import Replica
 from swarmloco.peer.round_reports import RoundReports
+from swarmloco.peer.round_watch import RoundWatch
 from swarmloco.peer.signals import StopFlag
 from swarmloco.peer.swarm_state import (
     distrust,
@@ -57,8 +58,6 @@ from swarmloco.protocol.trust.certificates import Certificate, Head
 from swarmloco.protocol.trust.identity import load_or_create_identity
 
 logger = logging.getLogger(__name__)
-PEEK_S = 0.5  # while training, how often a peer looks whether a group for its round is forming
-ETA_EVERY_S = 1.0  # how often the training thread refreshes its ready-time estimate in its record
 RECORDS_TIMEOUT_S = 30.0
 STALE_TRIES = 3  # rounds in a row that may discard our kept progress before we drop it
 
@@ -84,8 +83,6 @@ class SwarmSync:
         self.state_hash = ""
         self.head: Head | None = None
         self.refused: tuple[int, str] | None = None  # the last state we downloaded and refused to adopt
-        self._peek: concurrent.futures.Future[tuple[dict[str, PeerRecord], Behind | None]] | None = None
-        self._peeked_at = self._last_eta = 0.0
         self._measured_hello = False
 
     # --- start-up -------------------------------------------------------------------------------------------------
@@ -207,40 +204,21 @@ class SwarmSync:
                                  own_loss=finite_or_none(verdict.own_loss), distrusted=peers)
 
     # --- one round ------------------------------------------------------------------------------------------------
-    def _stop_early(self, round_started: float) -> bool:
-        """Whether to end local training now: a group for our round is forming, or the swarm moved past θ_r. Looks
-        at most every PEEK_S, on the loop, without blocking training; also keeps our ready-time estimate fresh."""
-        now = time.monotonic()
-        if now - self._last_eta >= ETA_EVERY_S:
-            eta = self.loop.eta(round_started)
-            if self.cfg.budget.close_early:
-                # we join a forming group within about one look, whatever our own budget says
-                eta = min(eta, time.time() + 2 * PEEK_S)
-            self.node.update_record(eta=eta)
-            self._last_eta = now
-        if not self.cfg.budget.close_early:
-            return False
-        if self._peek is None:
-            if now - self._peeked_at >= PEEK_S:
-                self._peek, self._peeked_at = self.node.submit(self._look()), now
-            return False
-        if not self._peek.done():
-            return False
-        peek, self._peek = self._peek, None
-        try:
-            records, target = peek.result()
-        except Exception as exc:  # a failed look only means: train on, look again
-            logger.debug("looking at the swarm failed: %r", exc)
-            return False
-        return group_forming(records, self.replica.round, self.state_hash) or target is not None
-
-    async def _look(self) -> tuple[dict[str, PeerRecord], Behind | None]:
+    async def _forming(self) -> bool:
+        """Whether to end local training now: a group for our round is forming, or the swarm moved past θ_r."""
         records = compatible(await self.node.fetch_records(timeout=RECORDS_TIMEOUT_S / 3), self.model.fingerprint)
-        return records, await self.averager.chain.target(records, wait=0)  # verified claims: at the next look
+        behind = await self.averager.chain.target(records, wait=0)  # verified claims: at a later look
+        return group_forming(records, self.replica.round, self.state_hash) or behind is not None
 
     def round(self, loop: TrainingLoop) -> None:
         r = loop.replica
-        train_s, _ = loop.train_round(stop_early=self._stop_early)
+        started = time.monotonic()
+        watch = RoundWatch(self.node, eta=lambda: loop.eta(started), step_s=loop.step_seconds,
+                           forming=self._forming if self.cfg.budget.close_early else None).start()
+        try:
+            train_s, _ = loop.train_round(stop_early=lambda _: watch.seen())
+        finally:
+            watch.stop()
         if loop.done():
             return
         while True:

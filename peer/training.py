@@ -73,6 +73,8 @@ class TrainingLoop:
         self.history: list[dict[str, Any]] = []
         self.compute_s = 0.0
         self.recent_steps: collections.deque[float] = collections.deque(maxlen=16)  # seconds, for the slowdown
+        self.step_times: collections.deque[float] = collections.deque(maxlen=16)  # whole steps, slowdown included
+        self.tokens_per_step = 0.0  # of the last step
         self.initial_eval = 0.0
         self.on_step: Callable[[float], None] | None = None  # the swarm's coordinator reports
         self.checkpoint_dir = f"{cfg.run.workdir}/checkpoint"
@@ -100,18 +102,28 @@ class TrainingLoop:
             return time.monotonic() - round_started >= budget.round_seconds and r.round_steps > 0
         return r.round_steps >= self.cfg.train.inner_steps
 
+    def step_seconds(self) -> float:
+        """How long a step takes: the median of the recent ones (0 before the first)."""
+        recent = tuple(self.step_times)  # one C-level copy: the network loop reads it while training appends
+        return statistics.median(recent) if recent else 0.0
+
     def eta(self, round_started: float) -> float:
-        """Unix time this peer expects to have spent its budget, from its own measured step times."""
+        """Unix time this peer expects to have spent its budget, from its own measured step times. Thread-safe: the
+        network loop publishes it while the training thread trains."""
         r, budget = self.replica, self.cfg.budget
-        if r.round_steps == 0:
-            return time.time() + 60
+        steps, tokens = r.round_steps, r.round_tokens
         if budget.round_seconds:
             return time.time() + max(0.0, budget.round_seconds - (time.monotonic() - round_started))
-        per_step = (time.monotonic() - round_started) / r.round_steps
-        if budget.round_tokens:
-            remaining = max(0, budget.round_tokens - r.round_tokens) / max(1, r.round_tokens / r.round_steps)
+        if steps:
+            per_step, tokens_per_step = (time.monotonic() - round_started) / steps, tokens / steps
+        elif self.step_times:  # a round's first step: the steps of the rounds before tell
+            per_step, tokens_per_step = self.step_seconds(), self.tokens_per_step
         else:
-            remaining = max(0, self.cfg.train.inner_steps - r.round_steps)
+            return time.time() + 60
+        if budget.round_tokens:
+            remaining = max(0, budget.round_tokens - tokens) / max(1.0, tokens_per_step)
+        else:
+            remaining = max(0, self.cfg.train.inner_steps - steps)
         return time.time() + remaining * per_step
 
     # --- training -------------------------------------------------------------------------------------------------
@@ -121,7 +133,10 @@ class TrainingLoop:
         result = self.replica.inner_step()
         if self.cfg.run.slowdown > 1:
             time.sleep(slowdown_sleep(result.seconds, self.recent_steps, self.cfg.run.slowdown))
-        self.compute_s += time.perf_counter() - started
+        took = time.perf_counter() - started
+        self.compute_s += took
+        self.step_times.append(took)
+        self.tokens_per_step = float(result.tokens)
         self.progress.step(
             step=self.replica.step, round=self.replica.round, loss=result.loss, tokens=result.tokens, lr=result.lr
         )

@@ -136,23 +136,21 @@ def test_member_killed_mid_averaging_survivors_agree(swarm: Swarm) -> None:
 
 
 def test_slow_peer_contributes_fewer_tokens_and_ends_on_the_swarm_state(swarm: Swarm) -> None:
-    """A 20x slower peer with the same token budget does not hold the others back, yet contributes: it ends its
+    """A 40x slower peer with the same token budget does not hold the others back, yet contributes: it ends its
     local training early when a group for its round is forming (or the swarm moved on), so its tokens are in
-    committed rounds, with less weight than the fast peers', and it ends on the swarm's final state. (20x: its
-    budget takes it many times the longest grace, however fast a step of the harness's model is.) Steps are paced
-    by sleeping (2x and 40x) and the fast peers make 8 rounds with a grace of 8 s: with the harness's model
-    unpaced, four rounds, and a 3 s grace, the fast peers' rounds were over beside two CPU burners before the slow
-    peer, whose start-up and steps are slow under that load, had a near ready time in its record (a leader waits
-    only for a peer about to be ready) or saw a group forming (a look at the records after each of its steps)."""
+    committed rounds, with less weight than the fast peers', and it ends on the swarm's final state. (40x: its
+    budget takes it many times the grace, however fast a step of the harness's model is.) It watches the records
+    from its network loop, not between its slow steps, and promises a ready time that counts the step in flight:
+    when it looked only after each step, beside two CPU burners it was in 3 and 0 of the 4 rounds of two runs."""
     (_, low), (_, mid), (slow_id, high) = swarm.identities(3)
-    budget = ["--round-tokens", str(40 * 4 * PRESETS[swarm.preset].context), "--grace-max", "8"]
-    swarm.start("a", *budget, "--slowdown", "2", identity=low, rounds=8, wait_for=3)
-    swarm.start("b", *budget, "--slowdown", "2", identity=mid, rounds=8, wait_for=3)
-    swarm.start("slow", *budget, "--slowdown", "40", identity=high, rounds=8, wait_for=3)
+    budget = ["--round-tokens", str(40 * 4 * PRESETS[swarm.preset].context), "--grace-max", "3"]
+    swarm.start("a", *budget, identity=low, rounds=4, wait_for=3)
+    swarm.start("b", *budget, identity=mid, rounds=4, wait_for=3)
+    swarm.start("slow", *budget, "--slowdown", "40", identity=high, rounds=4, wait_for=3)
     codes = swarm.wait_exit(240)
     assert codes == {"a": 0, "b": 0, "slow": 0}, swarm.tails()
     fast = [e for e in swarm.events("a", "round") if e.get("outcome") == "committed"]
-    assert len(fast) == 8 and max(e["wait_s"] for e in fast) < 15, fast
+    assert len(fast) == 4 and max(e["wait_s"] for e in fast) < 15, fast
     led = [
         e
         for n in ("a", "b", "slow")
@@ -160,7 +158,7 @@ def test_slow_peer_contributes_fewer_tokens_and_ends_on_the_swarm_state(swarm: S
         if e.get("outcome") == "committed" and e.get("role") == "leader"
     ]
     with_slow = [e for e in led if slow_id in e.get("members", [])]
-    assert with_slow, f"the slow peer's tokens are in no committed round: {led}"
+    assert len(with_slow) >= len(led) // 2, f"the slow peer's tokens are in {len(with_slow)} committed rounds: {led}"
     for e in with_slow:
         weights = dict(zip(e["members"], e["weights"], strict=False))
         assert 0 < weights[slow_id] < max(w for p, w in weights.items() if p != slow_id), e
