@@ -21,8 +21,13 @@ from hivemind.dht.validation import CompositeValidator, RecordValidatorBase
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from swarmloco.protocol.network.dht_entries import keep_valid_entries
+
 logger = logging.getLogger(__name__)
 HANDLERS_TIMEOUT_S = 1.0  # for unregistering the DHT's RPC handlers with a daemon that is about to stop
+# Every DHT node of a process that uses this module (ours, or a forked hivemind.DHT) keeps the valid entries of a
+# reply that also holds invalid ones: one forged record must not hide the others (`dht_entries`).
+keep_valid_entries()
 
 
 class LocalDHT:
