@@ -10,22 +10,25 @@ import hashlib
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from swarmloco.peer import bootstrap, preflight
 from swarmloco.peer import config as config_mod
-from swarmloco.peer.checkpoint import CheckpointError
 from swarmloco.peer.config import ConfigError, PeerConfig
-from swarmloco.peer.replica import Replica
 from swarmloco.peer.run_model import expected_model, task_context
 from swarmloco.peer.signals import StopFlag
-from swarmloco.peer.task import load_task
 from swarmloco.protocol.trust.identity import IdentityError
+
+if TYPE_CHECKING:
+    from swarmloco.peer.replica import Replica
 
 logger = logging.getLogger(__name__)
 
 
 def build_replica(cfg: PeerConfig, *, data_seed: int = 0) -> Replica:
+    from swarmloco.peer.replica import Replica  # torch
+    from swarmloco.peer.task import load_task
+
     run = cfg.run
     if run.shard_index is None:
         raise ConfigError("shard_index: still 'auto'; resolve the config with swarmloco.peer.bootstrap.resolve first")
@@ -81,17 +84,30 @@ def joined_config(args: argparse.Namespace) -> PeerConfig:
 
 
 def run_peer(args: argparse.Namespace) -> int:
+    """The peer command: a bad setting ends in one line (exit 2) before torch is even imported."""
     try:
         cfg = bootstrap.resolve(joined_config(args))
         run = cfg.run
         lock = preflight.lock_workdir(cfg)  # noqa: F841 - held until the process exits
         if not run.solo:
             preflight.check_network(cfg)
+        preflight.check_resume(cfg)
         # only once nothing else refuses to start: a mistyped flag must not move the old checkpoint aside
         moved = preflight.set_aside_checkpoint(cfg)
         if moved is not None:
             logger.warning("%s/checkpoint holds an earlier run: moved it to %s (pass --resume to continue from a "
                            "checkpoint instead)", run.workdir, moved)
+        return _train(cfg)
+    except (ConfigError, FileNotFoundError, IdentityError) as exc:
+        logger.error("%s", exc)
+        return 2
+
+
+def _train(cfg: PeerConfig) -> int:
+    from swarmloco.peer.checkpoint import CheckpointError  # torch, as everything from here on
+
+    run = cfg.run
+    try:
         replica = build_replica(cfg, data_seed=0 if run.solo else swarm_data_seed(cfg))
         stop = StopFlag().install()
         if run.solo:
@@ -116,8 +132,8 @@ def run_peer(args: argparse.Namespace) -> int:
                     raise
                 logger.error("%s", explained)
                 return 3
-        write_summary(run.summary_json, summary)
-        return 0
-    except (ConfigError, CheckpointError, FileNotFoundError, IdentityError) as exc:
+    except CheckpointError as exc:
         logger.error("%s", exc)
         return 2
+    write_summary(run.summary_json, summary)
+    return 0

@@ -56,6 +56,14 @@ def lock_workdir(cfg: PeerConfig) -> list[IO[str]]:
     return held
 
 
+def check_resume(cfg: PeerConfig) -> None:
+    """--resume with no checkpoint to resume from: said before the model is built (the checkpoint's own checks of
+    what is there come when it is loaded)."""
+    sidecar = Path(cfg.run.workdir) / "checkpoint" / "state.json"
+    if cfg.run.resume and not sidecar.exists():
+        raise ConfigError(f"no checkpoint at {sidecar}; drop --resume to start fresh")
+
+
 def set_aside_checkpoint(cfg: PeerConfig) -> Path | None:
     """Without --resume, an existing checkpoint would be overwritten by this run's first, earlier one: move it to
     checkpoint.previous (replacing an older one) and return where it went; None when there was none."""

@@ -48,6 +48,18 @@ def test_the_peer_parser_is_built_without_torch_or_hivemind() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize("argv", [["--inner-lr", "3"], ["--resume"]], ids=["bad-value", "nothing-to-resume"])
+def test_a_bad_setting_is_answered_before_torch_is_imported(argv: list[str], tmp_path: Path) -> None:
+    """A mistake in the settings costs the user a fraction of a second, not torch's import and the model's build."""
+    code = ("import sys; from swarmloco.peer.cli import run_peer; from swarmloco.cli import parse; "
+            f"args = parse(['peer', '--solo', '--workdir', {str(tmp_path)!r}, *{argv!r}]); "
+            "code = run_peer(args); "
+            "assert code == 2, code; assert 'torch' not in sys.modules, 'torch was imported'")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_flag_kinds_and_defaults_come_from_the_dataclasses() -> None:
     sub = next(a for a in build_parser(["peer"])._actions if isinstance(a, argparse._SubParsersAction))
     actions = {a.option_strings[0]: a for a in sub.choices["peer"]._actions if a.option_strings}
