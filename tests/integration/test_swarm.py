@@ -136,17 +136,18 @@ def test_member_killed_mid_averaging_survivors_agree(swarm: Swarm) -> None:
 
 
 def test_slow_peer_contributes_fewer_tokens_and_ends_on_the_swarm_state(swarm: Swarm) -> None:
-    """A 40x slower peer with the same token budget does not hold the others back, yet contributes: it ends its
+    """A 10x slower peer with the same token budget does not hold the others back, yet contributes: it ends its
     local training early when a group for its round is forming (or the swarm moved on), so its tokens are in
-    committed rounds, with less weight than the fast peers', and it ends on the swarm's final state. (40x: its
-    budget takes it many times the grace, however fast a step of the harness's model is.) It watches the records
-    from its network loop, not between its slow steps, and promises a ready time that counts the step in flight:
-    when it looked only after each step, beside two CPU burners it was in 3 and 0 of the 4 rounds of two runs."""
+    committed rounds, with less weight than the fast peers', and it ends on the swarm's final state. (10x: its
+    budget takes it longer than the grace, however fast a step of the harness's model is.) It can join only groups
+    whose grace outlasts a step of its own (it stops between steps), and under CI's load beside two burners a 40x
+    step outlasted a 3 s grace: the grace is 8 s. Its looks run on its network loop, not between its steps
+    (tests/unit/test_round_watch.py)."""
     (_, low), (_, mid), (slow_id, high) = swarm.identities(3)
-    budget = ["--round-tokens", str(40 * 4 * PRESETS[swarm.preset].context), "--grace-max", "3"]
+    budget = ["--round-tokens", str(40 * 4 * PRESETS[swarm.preset].context), "--grace-max", "8"]
     swarm.start("a", *budget, identity=low, rounds=4, wait_for=3)
     swarm.start("b", *budget, identity=mid, rounds=4, wait_for=3)
-    swarm.start("slow", *budget, "--slowdown", "40", identity=high, rounds=4, wait_for=3)
+    swarm.start("slow", *budget, "--slowdown", "10", identity=high, rounds=4, wait_for=3)
     codes = swarm.wait_exit(240)
     assert codes == {"a": 0, "b": 0, "slow": 0}, swarm.tails()
     fast = [e for e in swarm.events("a", "round") if e.get("outcome") == "committed"]
