@@ -26,18 +26,20 @@ ALL_OR_NOTHING = DHTProtocol._validate_dictionary  # hivemind's own check, befor
 
 
 def valid_entries_only(protocol: DHTProtocol, key_bytes: bytes, dictionary: DictionaryDHTValue) -> bool:
-    """Drop from `dictionary` every entry `protocol`'s validator refuses; always True (what is left is valid)."""
+    """Drop from `dictionary` every entry `protocol`'s validator refuses; False only when it refused them all (the
+    reply then counts as nothing, and a store of it as refused, as before)."""
     validator = protocol.record_validator
     if validator is None:
         return True
     with dictionary.freeze():  # expired entries are still iterated, and judged, as hivemind's own check does
-        refused = [subkey for subkey, (value, expiration) in dictionary.items() if not validator.validate(
-            DHTRecord(key_bytes, protocol.serializer.dumps(subkey), value, expiration))]
+        entries = list(dictionary.items())
+    refused = [subkey for subkey, (value, expiration) in entries
+               if not validator.validate(DHTRecord(key_bytes, protocol.serializer.dumps(subkey), value, expiration))]
     for subkey in refused:
         del dictionary[subkey]
     if refused:
         logger.debug("dropped %d invalid entr%s of a DHT dictionary", len(refused), "y" if len(refused) == 1 else "ies")
-    return True
+    return len(refused) < len(entries) or not entries
 
 
 def keep_valid_entries() -> None:

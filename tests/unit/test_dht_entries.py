@@ -61,6 +61,10 @@ def test_an_invalid_entry_is_dropped_and_the_valid_ones_are_kept() -> None:
     assert not ALL_OR_NOTHING(protocol, key, dictionary)  # hivemind's check: the whole reply is invalid
     assert valid_entries_only(protocol, key, dictionary)  # type: ignore[arg-type]
     assert sorted(subkey for subkey, _ in dictionary.items()) == [HONEST.peer_id]
+    forged_only = DictionaryDHTValue()
+    subkey, envelope, expires = _entries()[1]
+    forged_only.store(subkey, MSGPackSerializer.dumps(envelope), expires)
+    assert not valid_entries_only(protocol, key, forged_only)  # type: ignore[arg-type]  # nothing valid: no reply
 
 
 async def _read_through_a_stock_node() -> dict[str, Any] | None:
