@@ -66,8 +66,12 @@ class RoundWatch:
         return eta
 
     def _publish(self) -> None:
-        if not self._stopped.is_set():
+        if self._stopped.is_set():
+            return
+        try:
             self.node.update_record(eta=self.ready_at())
+        except Exception:  # the estimate reads the training thread's counters: never end the watch over one read
+            logger.warning("publishing our ready time failed", exc_info=True)
 
     async def _run(self) -> None:
         await asyncio.gather(self._publishing(), self._looking())

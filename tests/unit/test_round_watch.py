@@ -123,3 +123,21 @@ def test_a_rounds_first_step_expects_the_step_time_of_the_rounds_before() -> Non
     assert loop.eta(0.0) - time.time() == pytest.approx(60, abs=1)  # nothing measured yet
     loop.step_times.extend([0.2, 0.3, 0.25])
     assert loop.eta(0.0) - time.time() == pytest.approx(cfg.train.inner_steps * 0.25, abs=0.5)
+
+
+def test_an_estimate_that_fails_once_does_not_end_the_publishing() -> None:
+    with FakeNetwork() as net:
+        peer, calls = _peer(net), []
+
+        def eta() -> float:
+            calls.append(1)
+            if len(calls) == 1:
+                raise ZeroDivisionError("a counter read mid-update")
+            return net.clock.time() + 20.0
+
+        watch = RoundWatch(peer, eta=eta, step_s=lambda: STEP_S, forming=None).start()
+        try:
+            net.sleep(1.5 * ETA_EVERY_S)
+            assert _eta(net, peer) == pytest.approx(20.0 - 0.5 * ETA_EVERY_S, abs=0.01)
+        finally:
+            watch.stop()
