@@ -56,10 +56,15 @@ def lock_workdir(cfg: PeerConfig) -> list[IO[str]]:
     return held
 
 
+def _checkpoint_sidecar(cfg: PeerConfig) -> Path:
+    """The file a saved checkpoint is known by (`swarmloco.peer.checkpoint.SIDECAR`, which imports torch)."""
+    return Path(cfg.run.workdir) / "checkpoint" / "state.json"
+
+
 def check_resume(cfg: PeerConfig) -> None:
     """--resume with no checkpoint to resume from: said before the model is built (the checkpoint's own checks of
     what is there come when it is loaded)."""
-    sidecar = Path(cfg.run.workdir) / "checkpoint" / "state.json"
+    sidecar = _checkpoint_sidecar(cfg)
     if cfg.run.resume and not sidecar.exists():
         raise ConfigError(f"no checkpoint at {sidecar}; drop --resume to start fresh")
 
@@ -67,9 +72,10 @@ def check_resume(cfg: PeerConfig) -> None:
 def set_aside_checkpoint(cfg: PeerConfig) -> Path | None:
     """Without --resume, an existing checkpoint would be overwritten by this run's first, earlier one: move it to
     checkpoint.previous (replacing an older one) and return where it went; None when there was none."""
-    directory = Path(cfg.run.workdir) / "checkpoint"
-    if cfg.run.resume or not (directory / "state.json").exists():
+    sidecar = _checkpoint_sidecar(cfg)
+    if cfg.run.resume or not sidecar.exists():
         return None
+    directory = sidecar.parent
     previous = directory.with_name("checkpoint.previous")
     if previous.exists():
         shutil.rmtree(previous)

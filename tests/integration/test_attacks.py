@@ -152,14 +152,12 @@ def test_hostile_peers_cannot_move_the_swarm(swarm: Swarm) -> None:
         inflator.dht.store(peers_key(swarm.run_id), envelope, get_dht_time() + 3600, subkey=victim)
         # ... and the victim stays visible: the validating nodes refused the forgery and still answer with its own
         # record (a reader once dropped the stock node's whole reply with the forgery in it: test_dht_entries.py)
-        deadline = time.monotonic() + 30
-        while True:
+        def victim_seen() -> bool:
             seen = inflator.call(inflator.fetch_records(timeout=5), timeout=10)
             assert victim not in seen or seen[victim].round < 1000, seen[victim]
-            if victim in seen or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        assert victim in seen, "the victim's record is hidden by the forged one"
+            return victim in seen
+
+        swarm.wait_for(victim_seen, 30, "the victim's own record beside the forged one")
 
         # Every honest peer refuses the strangers' join requests and state downloads (revocations are read from
         # the DHT every few seconds, so the revoked peer is refused within a heartbeat or two).

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -34,7 +34,7 @@ def _train(net: FakeNetwork, watch: RoundWatch, *, max_steps: int = 10) -> int:
     return steps
 
 
-def _forming_after(net: FakeNetwork, at: float) -> Callable[[], object]:
+def _forming_after(net: FakeNetwork, at: float) -> Callable[[], Awaitable[bool]]:
     async def forming() -> bool:
         return net.clock.monotonic() >= at
     return forming
