@@ -342,7 +342,7 @@ def run(args: argparse.Namespace) -> int:
                 if "seconds" in o:
                     phase_rows.append([size, peers, c, o["plan_s"], o["parts_s"], o["reduced_s"], o["average_s"],
                                        o["round_s"] - o["seconds"], o["encode_cpu_s"], o["decode_cpu_s"],
-                                       o["accumulate_cpu_s"]])
+                                       o["accumulate_cpu_s"], o["user_cpu_s"] + o["sys_cpu_s"], o["page_faults"]])
     if any(n.endswith(NOT_AVAILABLE) for n in notes):
         print(f"ours: {NOT_AVAILABLE}")
     print(table(
@@ -366,11 +366,13 @@ def run(args: argparse.Namespace) -> int:
     print(table(
         "allreduce: where our round's time goes (seconds since the release, slowest peer; CPU per peer)",
         ["MiB", "peers", "codec", "plan+pipes", "parts sent", "own shard reduced", "average held", "certify",
-         "encode CPU", "decode CPU", "accumulate CPU"], phase_rows,
+         "encode CPU", "decode CPU", "accumulate CPU", "process CPU", "page faults"], phase_rows,
         ["plan+pipes: the first encode starts (claims in, plan out, every shard connection open); parts sent: the "
          "uplink's last part written; own shard reduced: the reduced shard's encode starts; average held: `apply` "
          "called; certify: after that, until the last peer holds the certificate",
-         "CPU columns: seconds inside codec calls per peer (executor threads, one torch thread each)"],
+         "CPU columns: seconds inside codec calls per peer (executor threads, one torch thread each); process CPU: "
+         "user + system seconds of the whole peer process during `run_round` (hashing, checks, audit and the "
+         "kernel's copies included), and its minor page faults; both the mean over peers"],
     ))
     shaped: dict[str, Any] | None = None
     if args.shaped and not args.quick:

@@ -19,6 +19,7 @@ import hashlib
 import multiprocessing as mp
 import os
 import queue
+import resource
 import threading
 import time
 from typing import Any
@@ -147,8 +148,10 @@ def _allreduce_worker(index: int, peers: int, numel: int, reps: int, codec: str,
             barrier.wait(WAIT_S)
             t0 = time.time()
             timed.calls.clear()
+            before = resource.getrusage(resource.RUSAGE_SELF)
             result = averager.run_round(group, Contribution(delta=delta, tokens=1000), apply=apply)
             t1 = time.time()
+            after = resource.getrusage(resource.RUSAGE_SELF)
             if result.outcome != Outcome.COMMITTED:
                 raise RuntimeError(f"rep {rep}: round ended {result.outcome}: {result.reason}")
             if len(set(result.weights)) != 1:
@@ -162,10 +165,12 @@ def _allreduce_worker(index: int, peers: int, numel: int, reps: int, codec: str,
                 "rep": rep, "t0": t0, "t_avg": held["t"], "t1": t1, "leader": group.is_leader,
                 "sent": result.bytes_sent, "received": result.bytes_received, "members": len(result.members),
                 "direct": result.direct, "pipes": result.pipes, "certify_s": result.certify_s, "error": err,
-                "audit_s": result.audit_s,
+                "audit_s": result.audit_s, "user_cpu_s": after.ru_utime - before.ru_utime,
+                "sys_cpu_s": after.ru_stime - before.ru_stime, "page_faults": after.ru_minflt - before.ru_minflt,
                 "digest": hashlib.sha256(average.numpy().tobytes()).hexdigest(),
                 **_phases(list(timed.calls), t0, held["t"], result.bytes_sent / bandwidth if bandwidth else 0.0),
             })
+            del average, held  # as a peer's outer step does: the next round's buffers reuse this one's memory
         out.put({"index": index, "results": results, "error": None,
                  "encoded_bytes": averager.steps.codec.encoded_size(numel)})
     except Exception as exc:  # reported to the parent, which fails the measurement
@@ -249,7 +254,7 @@ def ours_allreduce(size_mb: float, peers: int, reps: int, codec: str,
         }
         for key in ("plan_s", "parts_s", "reduced_s", "average_s", "audit_s"):  # the slowest peer reaching each
             rep[key] = max(r[key] for r in rows)
-        for key in ("encode_cpu_s", "accumulate_cpu_s", "decode_cpu_s"):  # per peer, mean
+        for key in ("encode_cpu_s", "accumulate_cpu_s", "decode_cpu_s", "user_cpu_s", "sys_cpu_s", "page_faults"):
             rep[key] = sum(r[key] for r in rows) / peers
         out["reps"].append(rep)
     return out

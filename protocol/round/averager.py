@@ -31,6 +31,7 @@ import torch
 from swarmloco.protocol.base.codecs import get_codec
 from swarmloco.protocol.base.hooks import Hooks
 from swarmloco.protocol.base.outcome import Outcome
+from swarmloco.protocol.base.pauses import collector_paused
 from swarmloco.protocol.base.text import bounded
 from swarmloco.protocol.chain.chain import Chain
 from swarmloco.protocol.chain.forks import Behind
@@ -153,7 +154,13 @@ class Averager:
                   rollback: Callable[[], None] = lambda: None) -> RoundResult:
         """Exchange, apply and certify one round; called from the training thread, which `apply` and `rollback`
         run on. `apply` makes the outer step and returns the new state hash; `rollback` undoes it, and is called
-        whenever the round ends without a certificate after `apply` ran."""
+        whenever the round ends without a certificate after `apply` ran. No automatic garbage collection runs
+        meanwhile (`swarmloco.protocol.base.pauses`): a full pass here would stall every member of the group."""
+        with collector_paused():
+            return self._run_round(group, contribution, apply=apply, rollback=rollback)
+
+    def _run_round(self, group: Group, contribution: Contribution, *, apply: Callable[[torch.Tensor], str],
+                   rollback: Callable[[], None]) -> RoundResult:
         assert self.steps is not None, "call start() first"
         steps, d = self.steps, self.deadlines
         started = self.clock.monotonic()
