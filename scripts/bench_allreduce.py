@@ -1,11 +1,6 @@
 """`bench allreduce`: averaging one fp32 tensor across N processes — ours (every codec) vs gloo vs hivemind.
 
-- gloo: `torch.distributed.all_reduce` (SUM) with the gloo backend, one process per peer, after one warm-up call;
-  a rep is the slowest rank's time for one call, started together after a barrier.
-- hivemind: `DecentralizedAverager.step(wait=False, require_trigger=True)`; each peer waits until matchmaking has
-  formed the full group (stage AWAITING_TRIGGER), all peers pass a barrier, then each times
-  `allow_allreduce()` → `result()`. A rep is the slowest peer's time, so matchmaking (the DHT part, ~seconds) is
-  excluded and reported separately as `hivemind_step_s` (the whole `.step()` call). One warm-up round first.
+- gloo and hivemind: the baselines in scripts.bench_allreduce_baselines, one process per peer.
 - ours: the hook `ours_allreduce(size_mb, peers, reps, codec, netns=None)` (scripts.bench_allreduce_hooks, found by
   name through scripts.bench_hooks in a child process): a rep runs from one barrier releasing every peer, each
   with its group formed, to the slowest peer holding the checked average; it also returns each peer's bytes sent
@@ -19,19 +14,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import multiprocessing as mp
-import queue
-import time
-import traceback
-from collections.abc import Callable, Sequence
-from datetime import timedelta
+import os
+from collections.abc import Callable
 from typing import Any
 
+from scripts.bench_allreduce_baselines import gloo_seconds, hivemind_seconds
 from scripts.bench_common import (
     NOT_AVAILABLE,
     fmt,
-    free_port,
-    kill_processes,
     median,
     ratio,
     run_hook,
@@ -42,148 +32,7 @@ from scripts.bench_net import NetnsUnavailable, shaped_link_check, shaped_star
 
 logger = logging.getLogger(__name__)
 
-WAIT_S = 120.0  # any single blocking wait in a worker or the parent
 CODECS = ("fp32", "fp16", "bf16", "int8", "int4")
-
-
-def _numel(size_mb: float) -> int:
-    return int(size_mb * 2**20) // 4
-
-
-def gloo_worker(rank: int, world: int, port: int, numel: int, reps: int, out: Any) -> None:
-    import torch
-    import torch.distributed as dist
-
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=WAIT_S))
-        tensor = torch.empty(numel, dtype=torch.float32)
-        times = []
-        for rep in range(reps + 1):  # rep 0 is a warm-up
-            tensor.fill_(rank + 1.0)
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(tensor)
-            elapsed = time.perf_counter() - start
-            expected = world * (world + 1) / 2
-            if abs(float(tensor[0]) - expected) > 1e-3 or abs(float(tensor[-1]) - expected) > 1e-3:
-                raise RuntimeError(f"gloo all_reduce wrong: {float(tensor[0])} != {expected}")
-            if rep:
-                times.append(elapsed)
-        out.put(("ok", rank, times))
-        dist.destroy_process_group()
-    except Exception:  # reported to the parent, which fails the benchmark with it
-        out.put(("error", rank, traceback.format_exc(limit=-4)))
-
-
-def hivemind_worker(rank: int, world: int, numel: int, reps: int, peers_q: Any, barrier: Any, out: Any) -> None:
-    import torch
-    from hivemind import DHT
-    from hivemind.averaging import DecentralizedAverager
-    from hivemind.averaging.control import AveragingStage
-
-    dht = averager = None
-    mp.set_start_method("fork", force=True)  # hivemind's DHT and averager processes are built for fork
-    try:
-        maddrs = ["/ip4/127.0.0.1/tcp/0"]
-        if rank == 0:
-            dht = DHT(start=True, host_maddrs=maddrs)
-            visible = [str(a) for a in dht.get_visible_maddrs()]
-            for _ in range(world - 1):
-                peers_q.put(visible)
-        else:
-            dht = DHT(start=True, host_maddrs=maddrs, initial_peers=peers_q.get(timeout=WAIT_S))
-        # request_timeout only bounds a stuck part: on a loaded machine 1 s turned a slow part into a partial average
-        averager = DecentralizedAverager([torch.zeros(numel)], dht, prefix="bench", start=True, target_group_size=world,
-                                         min_group_size=world, min_matchmaking_time=2.0, request_timeout=10.0)
-        times, steps = [], []
-        for rep in range(reps + 1):  # rep 0 is a warm-up
-            with averager.get_tensors() as tensors:
-                tensors[0].fill_(rank + 1.0)
-            barrier.wait(WAIT_S)
-            step_start = time.perf_counter()
-            control = averager.step(wait=False, require_trigger=True, timeout=WAIT_S)
-            deadline = time.monotonic() + WAIT_S
-            while control.stage != AveragingStage.AWAITING_TRIGGER:
-                if control.done() or time.monotonic() > deadline:
-                    raise RuntimeError(f"hivemind matchmaking did not form a group of {world} (stage {control.stage})")
-                time.sleep(0.002)
-            barrier.wait(WAIT_S)
-            start = time.perf_counter()
-            control.allow_allreduce()
-            control.result(timeout=WAIT_S)
-            end = time.perf_counter()
-            with averager.get_tensors() as tensors:
-                got, expected = float(tensors[0][0]), (world + 1) / 2
-            if abs(got - expected) > 1e-3:
-                raise RuntimeError(f"hivemind average wrong: {got} != {expected}")
-            if rep:
-                times.append(end - start)
-                steps.append(end - step_start)
-        out.put(("ok", rank, (times, steps)))
-    except Exception:  # reported to the parent, which fails the benchmark with it
-        out.put(("error", rank, traceback.format_exc(limit=-4)))
-    finally:
-        if averager is not None:
-            averager.shutdown()
-        if dht is not None:
-            dht.shutdown()
-
-
-def _collect(out: Any, procs: Sequence[mp.process.BaseProcess], timeout: float) -> list[Any]:
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    while len(results) < len(procs):
-        try:
-            status, rank, payload = out.get(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
-        except queue.Empty as exc:
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"only {len(results)}/{len(procs)} workers reported within {timeout:.0f} s"
-                ) from None
-            dead = [p.pid for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
-            if dead:
-                raise RuntimeError(f"workers {dead} died without reporting") from exc
-            continue
-        if status != "ok":
-            raise RuntimeError(f"worker {rank}: {payload}")
-        results[rank] = payload
-    return [results[r] for r in sorted(results)]
-
-
-def gloo_seconds(size_mb: float, peers: int, reps: int, timeout: float) -> list[float]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=gloo_worker, args=(r, peers, port, _numel(size_mb), reps, out), daemon=True)
-        for r in range(peers)
-    ]
-    try:
-        for p in procs:
-            p.start()
-        per_rank = _collect(out, procs, timeout)
-    finally:
-        kill_processes(procs)
-    return [max(t[i] for t in per_rank) for i in range(reps)]
-
-
-def hivemind_seconds(size_mb: float, peers: int, reps: int, timeout: float) -> tuple[list[float], list[float]]:
-    ctx = mp.get_context("spawn")
-    out, peers_q, barrier = ctx.Queue(), ctx.Queue(), ctx.Barrier(peers)
-    procs = [
-        ctx.Process(target=hivemind_worker, args=(r, peers, _numel(size_mb), reps, peers_q, barrier, out), daemon=False)
-        for r in range(peers)
-    ]
-    try:
-        for p in procs:
-            p.start()
-        per_rank = _collect(out, procs, timeout)
-    finally:
-        kill_processes(procs)
-    allreduce = [max(t[0][i] for t in per_rank) for i in range(reps)]
-    step = [max(t[1][i] for t in per_rank) for i in range(reps)]
-    return allreduce, step
 
 
 def _attempt(what: str, fn: Callable[[], Any], *, tries: int = 1) -> tuple[Any, str]:
@@ -252,9 +101,11 @@ def _measure(size: float, peers: int, reps: int, codecs: list[str], args: argpar
              notes: list[str]) -> dict[str, Any]:
     where = f"{size:g} MiB, {peers} peers"
     logger.info("allreduce %s: gloo", where)
-    gloo, gloo_why = _attempt("gloo", lambda: gloo_seconds(size, peers, reps, args.timeout))
+    measured, gloo_why = _attempt("gloo", lambda: gloo_seconds(size, peers, reps, args.timeout))
+    gloo, gloo_cpu = measured if measured is not None else (None, None)
     entry: dict[str, Any] = {"size_mb": size, "peers": peers, "reps": reps, "gloo_s": median(gloo), "gloo_all_s": gloo,
-                             "gloo_note": gloo_why or None, "hivemind_note": None, "ours_note": None, "ours": {}}
+                             "gloo_cpu_s": median(gloo_cpu), "gloo_note": gloo_why or None, "hivemind_note": None,
+                             "ours_note": None, "ours": {}}
     if gloo_why:
         notes.append(f"gloo ({where}): {gloo_why}")
     hv: tuple[list[float], list[float]] | None = None
@@ -342,7 +193,9 @@ def run(args: argparse.Namespace) -> int:
                 if "seconds" in o:
                     phase_rows.append([size, peers, c, o["plan_s"], o["parts_s"], o["reduced_s"], o["average_s"],
                                        o["round_s"] - o["seconds"], o["encode_cpu_s"], o["decode_cpu_s"],
-                                       o["accumulate_cpu_s"], o["user_cpu_s"] + o["sys_cpu_s"], o["page_faults"]])
+                                       o["accumulate_cpu_s"], _cell(cpu := o["user_cpu_s"] + o["sys_cpu_s"],
+                                                                    entry["gloo_cpu_s"]),
+                                       max(cpu, peers * cpu / (os.cpu_count() or 1)), o["page_faults"]])
     if any(n.endswith(NOT_AVAILABLE) for n in notes):
         print(f"ours: {NOT_AVAILABLE}")
     print(table(
@@ -366,13 +219,18 @@ def run(args: argparse.Namespace) -> int:
     print(table(
         "allreduce: where our round's time goes (seconds since the release, slowest peer; CPU per peer)",
         ["MiB", "peers", "codec", "plan+pipes", "parts sent", "own shard reduced", "average held", "certify",
-         "encode CPU", "decode CPU", "accumulate CPU", "process CPU", "page faults"], phase_rows,
+         "encode CPU", "decode CPU", "accumulate CPU", "process CPU (× gloo's)", "CPU floor s", "page faults"],
+        phase_rows,
         ["plan+pipes: the first encode starts (claims in, plan out, every shard connection open); parts sent: the "
          "uplink's last part written; own shard reduced: the reduced shard's encode starts; average held: `apply` "
          "called; certify: after that, until the last peer holds the certificate",
          "CPU columns: seconds inside codec calls per peer (executor threads, one torch thread each); process CPU: "
          "user + system seconds of the whole peer process during `run_round` (hashing, checks, audit and the "
-         "kernel's copies included), and its minor page faults; both the mean over peers"],
+         "kernel's copies included), and its minor page faults, both the mean over peers; gloo's: the same for one "
+         "rank's all_reduce",
+         f"CPU floor: the least a round can take on this machine's {os.cpu_count()} cores with that much CPU per "
+         "peer (peers × process CPU / cores, or one peer's CPU): where the peers outnumber the cores, every peer's "
+         "work competes for them, and the ratio of CPU per peer bounds the ratio of times"],
     ))
     shaped: dict[str, Any] | None = None
     if args.shaped and not args.quick:

@@ -110,7 +110,19 @@ def test_large_buffers_reuse_the_memory_of_ones_gone_and_never_of_one_alive() ->
     assert large_empty(1 << 10).numel() == 1 << 10  # (small ones are plain tensors)
 
 
-def test_the_pool_keeps_at_most_three_times_the_largest_buffer_asked_for() -> None:
+def test_a_buffer_somewhat_larger_than_one_gone_reuses_its_memory() -> None:
+    """A round's shard grows when its reducer's bandwidth share does: its buffers still come from the pool."""
+    pool = buffers._Pool(capacity=16)
+    first = pool.array(10 << 20)
+    address = first.ctypes.data
+    del first
+    grown = pool.array(14 << 20)  # up to HEADROOM times the first size
+    assert grown.ctypes.data == address and len(grown) == 14 << 20
+    del grown
+    assert pool.array(16 << 20).ctypes.data != address  # beyond it: a mapping of its own
+
+
+def test_the_pool_keeps_at_most_three_times_the_largest_mapping() -> None:
     pool = buffers._Pool(capacity=16)
     held = [pool.array(10 << 20) for _ in range(5)]  # five buffers alive at once, then all gone
     del held
