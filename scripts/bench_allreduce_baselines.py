@@ -131,6 +131,16 @@ def _collect(out: Any, procs: Sequence[mp.process.BaseProcess], timeout: float) 
     return [results[r] for r in sorted(results)]
 
 
+def _run(procs: Sequence[mp.process.BaseProcess], out: Any, timeout: float) -> list[Any]:
+    """Start one process per rank, and each rank's report in rank order; every process is ended either way."""
+    try:
+        for p in procs:
+            p.start()
+        return _collect(out, procs, timeout)
+    finally:
+        kill_processes(procs)
+
+
 def _process_cpu() -> float:
     """User + system CPU seconds of this process so far, every thread included."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -146,12 +156,7 @@ def gloo_seconds(size_mb: float, peers: int, reps: int, timeout: float) -> tuple
         ctx.Process(target=gloo_worker, args=(r, peers, port, _numel(size_mb), reps, out), daemon=True)
         for r in range(peers)
     ]
-    try:
-        for p in procs:
-            p.start()
-        per_rank = _collect(out, procs, timeout)
-    finally:
-        kill_processes(procs)
+    per_rank = _run(procs, out, timeout)
     return ([max(t[0][i] for t in per_rank) for i in range(reps)],
             [sum(t[1][i] for t in per_rank) / peers for i in range(reps)])
 
@@ -163,12 +168,7 @@ def hivemind_seconds(size_mb: float, peers: int, reps: int, timeout: float) -> t
         ctx.Process(target=hivemind_worker, args=(r, peers, _numel(size_mb), reps, peers_q, barrier, out), daemon=False)
         for r in range(peers)
     ]
-    try:
-        for p in procs:
-            p.start()
-        per_rank = _collect(out, procs, timeout)
-    finally:
-        kill_processes(procs)
+    per_rank = _run(procs, out, timeout)
     allreduce = [max(t[0][i] for t in per_rank) for i in range(reps)]
     step = [max(t[1][i] for t in per_rank) for i in range(reps)]
     return allreduce, step
