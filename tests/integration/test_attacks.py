@@ -151,10 +151,17 @@ def test_hostile_peers_cannot_move_the_swarm(swarm: Swarm) -> None:
         # defence is that every reader checks the envelope: nobody reads the forged round under the victim's name.
         inflator.dht.store(peers_key(swarm.run_id), envelope, get_dht_time() + 3600, subkey=victim)
         # ... and the victim stays visible: the validating nodes refused the forgery and still answer with its own
-        # record (a reader once dropped the stock node's whole reply with the forgery in it: test_dht_entries.py)
+        # record (a reader once dropped the stock node's whole reply with the forgery in it: test_dht_entries.py).
+        # Visible to a reader other than the forger: under load the forger's own node sometimes missed the victim for
+        # the whole wait while another node polled beside it saw the victim every time (1 of 12 runs), most likely
+        # because a hivemind node keeps what it stored itself (the forgery, an hour's expiry, newer than the victim's
+        # record). An attacker blinding itself is no attack; what matters is that other readers keep the victim and
+        # that nobody reads the forged round.
         def victim_seen() -> bool:
-            seen = inflator.call(inflator.fetch_records(timeout=5), timeout=10)
-            assert victim not in seen or seen[victim].round < 1000, seen[victim]
+            forger_view = inflator.call(inflator.fetch_records(timeout=5), timeout=10)
+            seen = claimer.call(claimer.fetch_records(timeout=5), timeout=10)
+            for view in (forger_view, seen):
+                assert victim not in view or view[victim].round < 1000, view[victim]
             return victim in seen
 
         swarm.wait_for(victim_seen, 30, "the victim's own record beside the forged one")
