@@ -69,6 +69,9 @@ class _TimedCodec:
     def decode(self, data: Any, numel: int) -> Any:
         return self._timed("decode", self._codec.decode, data, numel)
 
+    def decode_with_norm(self, data: Any, numel: int) -> Any:
+        return self._timed("decode", self._codec.decode_with_norm, data, numel)
+
     def decode_accumulate(self, data: Any, numel: int, out: Any, weight: float) -> None:
         self._timed("accumulate", self._codec.decode_accumulate, data, numel, out, weight)
 

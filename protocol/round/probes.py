@@ -47,8 +47,10 @@ def probe_key(seed: bytes, probe: int) -> bytes:
 def probe_values(key: bytes, start: int, count: int, out: torch.Tensor) -> torch.Tensor:
     """Elements [start, start + count) of the probe `key`, widened into `out[:count]` (float64)."""
     raw = blake3(key).digest(length=2 * count, seek=2 * start)
-    values = torch.from_numpy(np.frombuffer(raw, dtype="<i2").astype(np.int16))  # native order, writable
-    return out[:count].copy_(values).add_(0.5)
+    wide = out[:count].numpy()
+    np.copyto(wide, np.frombuffer(raw, dtype="<i2"))  # read as little-endian on any machine, widened in one pass
+    np.add(wide, 0.5, out=wide)
+    return out[:count]
 
 
 Sums = list[list[list[float]]]  # [shard][tensor][value]

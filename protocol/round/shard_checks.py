@@ -70,24 +70,27 @@ class ResultCheck:
 
 
 def checked_part(plan: Plan, k: int, peer: str, header: pb.ShardPart, body: bytearray, *, codec: Codec,
-                 keys: RoundKeys) -> torch.Tensor:
-    """`peer`'s part of our shard k, decoded; raises CodecError when its signature does not cover these bytes or
-    they do not decode."""
+                 keys: RoundKeys) -> tuple[torch.Tensor, float]:
+    """`peer`'s part of our shard k, decoded, and its norm; raises CodecError when its signature does not cover these
+    bytes or they do not decode."""
     size = plan.shard(k).stop - plan.shard(k).start
     if digest(body) != bytes(header.digest) or not signed(
             peer, part_body(keys.run_id, plan.round, keys.plan_id, k, peer, bytes(header.digest)),
             bytes(header.signature)):
         raise CodecError("its signature does not cover these bytes (altered on the way, or forged)")
-    return codec.decode(body, size)
+    return codec.decode_with_norm(body, size)
 
 
-def reduce_shard(plan: Plan, members: tuple[str, ...], parts: Mapping[str, torch.Tensor], rule: Rule) -> ReducedShard:
-    """Our shard aggregated over the settled contributors `members` (each one's part is in `parts`)."""
+def reduce_shard(plan: Plan, members: tuple[str, ...], parts: Mapping[str, torch.Tensor], rule: Rule, *,
+                 norms: Mapping[str, float] | None = None, out: torch.Tensor | None = None) -> ReducedShard:
+    """Our shard aggregated over the settled contributors `members` (each one's part is in `parts`; its norm in
+    `norms` where the caller has it already), into `out` when given."""
     weight = dict(zip(plan.members, plan.weights, strict=True))
     ordered = [parts[p] for p in members]
-    norms = [norm(x) for x in ordered]
-    coeffs, tau = coefficients(norms, [weight[p] for p in members], rule)
-    return ReducedShard(aggregate(ordered, coeffs), tuple(norms), tuple(coeffs), tau)
+    known = norms or {}
+    part_norms = [known[p] if p in known else norm(x) for p, x in zip(members, ordered, strict=True)]
+    coeffs, tau = coefficients(part_norms, [weight[p] for p in members], rule)
+    return ReducedShard(aggregate(ordered, coeffs, out=out), tuple(part_norms), tuple(coeffs), tau)
 
 
 def own_as_decoded(plan: Plan, k: int, own: torch.Tensor, codec: Codec,
@@ -133,8 +136,8 @@ def _check_signed(plan: Plan, i: int, header: pb.ShardResult, body: bytearray | 
         return ResultCheck(f"it reports our part's norm as {norms[members.index(me)]:.6g}, we sent "
                            f"{norm(own_part):.6g}", proven=True)
     theirs = plan.shard(i)
-    decoded = codec.decode(body, theirs.stop - theirs.start)
+    decoded, size = codec.decode_with_norm(body, theirs.stop - theirs.start)
     bound = rounding_bound(codec, body, decoded)
-    if not within_bound(norm(decoded), coeffs, norms, bound):
-        return ResultCheck(f"its result's norm {norm(decoded):.6g} exceeds what its coefficients allow", proven=True)
+    if not within_bound(size, coeffs, norms, bound):
+        return ResultCheck(f"its result's norm {size:.6g} exceeds what its coefficients allow", proven=True)
     return ResultCheck(decoded=decoded, bound=bound)

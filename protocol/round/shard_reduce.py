@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
-from swarmloco.protocol.base.codecs import Codec, CodecError, all_finite
+from swarmloco.protocol.base.codecs import Codec, CodecError, finite_norm
 from swarmloco.protocol.base.text import bounded, short_id
 from swarmloco.protocol.base.wire import WireError, frame_bytes
 from swarmloco.protocol.round.audit import AuditCase, audit
@@ -84,6 +84,7 @@ class _Parts:
     """What the exchange of parts left us: the parts of our shard, and what we sent."""
 
     parts: Mapping[str, torch.Tensor]  # well-formed parts of our shard, ours included
+    norms: Mapping[str, float]  # the norm of each, found by the same pass that proved it finite
     problems: Mapping[str, str]  # why the others are missing
     frames: Mapping[str, tuple[pb.ShardPart, bytearray]]  # signed parts, for evidence (kept only for the audit)
     encoded: Mapping[int, Payload]  # our encoded part of each other shard
@@ -126,7 +127,7 @@ async def reduce_shards(plan: Plan, delta: torch.Tensor, *, me: str, codec: Code
             members = await settle(current, sorted(got.parts), dict(got.problems))
             own_decoded = await loop.run_in_executor(None, own_as_decoded, current, k, own, codec, got.encoded)
             results = await exchange_results(current, k, passing, members, got.parts, own_decoded, codec=codec,
-                                             timeout=timeouts.transfer, signing=signing)
+                                             timeout=timeouts.transfer, signing=signing, norms=got.norms)
             sent, received = sent + got.sent + results.sent, received + got.received + results.received
             failed.update(results.lost)
             cheaters.update(results.cheaters)
@@ -189,6 +190,7 @@ async def _exchange_parts(plan: Plan, k: int, own: torch.Tensor, pipes: Mapping[
     me = plan.members[k]
     order = [(k + s) % n for s in range(1, n)]  # everyone starts with a different reducer
     parts: dict[str, torch.Tensor] = {}
+    norms: dict[str, float] = {}
     problems: dict[str, str] = {}
     frames: dict[str, tuple[pb.ShardPart, bytearray]] = {}
     encoded: dict[int, Payload] = {}
@@ -242,7 +244,7 @@ async def _exchange_parts(plan: Plan, k: int, own: torch.Tensor, pipes: Mapping[
                                        blame=signing.leader,
                                        cheaters={signing.leader: f"signed two plans for round {plan.round}"})
                 return
-            parts[peer] = await loop.run_in_executor(None, functools.partial(
+            parts[peer], norms[peer] = await loop.run_in_executor(None, functools.partial(
                 checked_part, plan, k, peer, header, body, codec=codec, keys=signing.keys))
             if signing.probes:
                 frames[peer] = (header, body)
@@ -255,9 +257,10 @@ async def _exchange_parts(plan: Plan, k: int, own: torch.Tensor, pipes: Mapping[
     try:
         # Our own part is checked like anyone's (off the loop, beside the sends): a non-finite Δ of ours (a bug, a
         # diverged replica) must drop us from the round, not poison our shard.
-        if await loop.run_in_executor(None, all_finite, own[mine]):
+        try:
+            norms[me] = await loop.run_in_executor(None, finite_norm, own[mine])
             parts[me] = own[mine]
-        else:
+        except CodecError:
             problems[me] = f"malformed part of shard {k} (our own): NaN or Inf"
 
         async def heard(i: int) -> bool:  # whatever arrived (or failed): not a straggler
@@ -278,7 +281,7 @@ async def _exchange_parts(plan: Plan, k: int, own: torch.Tensor, pipes: Mapping[
         await sending
     except WireError as exc:
         raise RoundAborted(f"could not send our parts: {exc}") from exc
-    return _Parts(parts=parts, problems=problems, frames=frames, encoded=encoded, sent=sent, received=received,
-                  send_s=send_s, parts_sent=parts_sent)
+    return _Parts(parts=parts, norms=norms, problems=problems, frames=frames, encoded=encoded, sent=sent,
+                  received=received, send_s=send_s, parts_sent=parts_sent)
 
 

@@ -14,6 +14,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
+import time
+from collections import OrderedDict
 from typing import Any
 
 from hivemind.dht.routing import DHTID
@@ -30,6 +33,11 @@ logger = logging.getLogger(__name__)
 _DOMAIN = b"swarmloco-record-v1\n"
 EXPIRY_SKEW_S = 30.0
 MAX_REVOCATION_TTL_S = 300.0  # a revocation list is kept this long past its signing (the authority re-signs it)
+# hivemind validates one stored record again on every node it reaches and in every lookup that returns it, so a node
+# sees the same bytes many times a minute. A record found valid is trusted, bytes for bytes, for this long: its
+# signature and expiry do not change, and a ticket that lapses meanwhile is caught by every reader (`open_record`).
+VALID_FOR_S = 30.0
+VALID_KEPT = 2048  # records remembered as valid at most (least recently seen dropped first)
 
 
 class RecordError(ValueError):
@@ -87,8 +95,27 @@ class RunValidator(RecordValidatorBase):
         self._peers = key_id(peers_key(run_id))
         self._revoked = key_id(revocations_key(run_id))
         self._checkpoint = key_id(checkpoint_key(run_id))
+        self._valid: OrderedDict[tuple[bytes, bytes, bytes, float], float] = OrderedDict()  # -> trusted until
+        self._lock = threading.Lock()  # hivemind may validate from more than one thread
 
     def validate(self, record: DHTRecord) -> bool:
+        seen = (bytes(record.key), bytes(record.subkey), bytes(record.value), float(record.expiration_time))
+        now = time.monotonic()
+        with self._lock:
+            until = self._valid.get(seen)
+            if until is not None and until > now:
+                self._valid.move_to_end(seen)
+                return True
+        if not self._validate(record):
+            return False
+        with self._lock:
+            self._valid[seen] = now + VALID_FOR_S
+            self._valid.move_to_end(seen)
+            while len(self._valid) > VALID_KEPT:
+                self._valid.popitem(last=False)
+        return True
+
+    def _validate(self, record: DHTRecord) -> bool:
         try:
             subkey = MSGPackSerializer.loads(record.subkey) if record.subkey else None
             value = MSGPackSerializer.loads(record.value)

@@ -222,3 +222,36 @@ def test_all_finite_of_an_empty_tensor_is_true_and_any_nan_or_inf_is_caught() ->
         x = torch.randn(1000)
         x[617] = bad
         assert not codecs.all_finite(x)
+
+
+@pytest.mark.parametrize("name", list(CODECS))
+@pytest.mark.parametrize("numel", [0, 1, 1000, 70_000])
+def test_decode_with_norm_is_decode_and_its_norm(name: str, numel: int) -> None:
+    codec = get_codec(name)
+    data = codec.encode(torch.randn(numel, generator=torch.Generator().manual_seed(numel)))
+    decoded, size = codec.decode_with_norm(bytearray(data), numel)
+    assert torch.equal(decoded, codec.decode(bytearray(data), numel))
+    assert size == codecs.l2_norm(decoded)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("at", [0, 31_337, 69_999])
+def test_the_norm_that_checks_finiteness_refuses_what_decode_refuses(bad: float, at: int) -> None:
+    """One pass stands for two: a NaN or an infinity anywhere (first, middle, last of a tensor large enough to be
+    summed in blocks and threads) must still be refused."""
+    x = torch.randn(70_000)
+    x[at] = bad
+    with pytest.raises(CodecError, match="NaN or Inf"):
+        codecs.finite_norm(x)
+    with pytest.raises(CodecError, match="NaN or Inf"):
+        get_codec("fp32").decode_with_norm(bytearray(get_codec("fp32").encode(x)), 70_000)
+
+
+def test_finite_values_whose_squares_overflow_are_finite_with_the_norm_the_robust_rule_sees() -> None:
+    """Values near float32's maximum are finite: refused by nobody, and their norm (infinite in float32 squares)
+    is whatever the plain norm says, so a reducer and its checkers compute the same."""
+    x = torch.full((1000,), 3e38)
+    assert codecs.finite_norm(x) == codecs.l2_norm(x)
+    decoded, size = get_codec("fp32").decode_with_norm(bytearray(get_codec("fp32").encode(x)), 1000)
+    assert torch.equal(decoded, x) and size == codecs.l2_norm(x)
+    assert codecs.finite_norm(torch.zeros(0)) == 0.0

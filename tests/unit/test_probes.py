@@ -125,3 +125,16 @@ def test_the_control_a_probe_of_random_signs_lets_a_cancelling_pair_through(monk
     bad = _tampered(result, {17: 1.0, 4000: -1.0})
     escaped = sum(_checks(seed, bad, parts, coeffs) for seed in SEEDS)
     assert escaped > 20, escaped  # about a quarter of them (both probes' signs agree)
+
+
+def test_aggregate_into_a_given_tensor_writes_there_what_it_would_return() -> None:
+    """A lossless reducer sums its shard straight into the average: the same floats as a fresh sum, and a zero
+    vector when every coefficient is zero (the output's old contents never leak into a shard)."""
+    parts = _parts(3, 5000)
+    coeffs = [0.2, 0.0, 0.5]
+    out = torch.full((5000,), 7.0)
+    assert aggregate(parts, coeffs, out=out).data_ptr() == out.data_ptr()
+    assert torch.equal(out, aggregate(parts, coeffs))
+    assert torch.equal(aggregate(parts, [0.0, 0.0, 0.0], out=out), torch.zeros(5000))
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        aggregate(parts, coeffs, out=torch.zeros(4999))

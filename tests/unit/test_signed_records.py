@@ -133,3 +133,40 @@ def test_only_the_authority_publishes_a_checkpoint_and_not_for_longer_than_it_li
     assert not validator.validate(rec(ATTACKER.peer_id, fake, now + 300))
     assert not validator.validate(rec(AUTHORITY.peer_id, {**fake, "authority": AUTHORITY.peer_id}, now + 300))
     assert not RunValidator(RUN, None).validate(rec(AUTHORITY.peer_id, value, now + 300))  # a private swarm
+
+
+def test_a_record_seen_again_is_not_verified_again_and_a_forgery_never_rides_on_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """hivemind hands a node the same stored bytes many times a minute: the signature of bytes found valid is not
+    checked again while they are remembered. Anything that differs by a byte (the forged round under the victim's
+    subkey, the genuine record with a longer life) is verified in full and refused, however often it comes; after
+    VALID_FOR_S the remembered record is verified again; memory stays bounded."""
+    from swarmloco.protocol.trust import signed_records
+
+    calls: list[str] = []
+    real_verify = signed_records.verify
+
+    def counted(peer_id: str, data: bytes, sig: bytes) -> bool:
+        calls.append(peer_id)
+        return real_verify(peer_id, data, sig)
+
+    monkeypatch.setattr(signed_records, "verify", counted)
+    now = [1000.0]
+    monkeypatch.setattr(signed_records.time, "monotonic", lambda: now[0])
+    validator = RunValidator(RUN, AUTHORITY.peer_id)
+    expires = get_dht_time() + 20
+    genuine = _dht_record(VICTIM.peer_id, seal(VICTIM, RUN, _record(), _ticket(VICTIM), expires), expires)
+    assert all(validator.validate(genuine) for _ in range(5)) and len(calls) == 1
+    forged = seal(ATTACKER, RUN, _record(round=1001), _ticket(ATTACKER), expires)
+    longer = _dht_record(VICTIM.peer_id, seal(VICTIM, RUN, _record(), _ticket(VICTIM), expires), expires + 3000)
+    for _ in range(3):
+        assert not validator.validate(_dht_record(VICTIM.peer_id, forged, expires))
+        assert not validator.validate(longer)
+    assert len(calls) == 1 + 3
+    now[0] += signed_records.VALID_FOR_S + 1
+    assert validator.validate(genuine) and len(calls) == 5
+    monkeypatch.setattr(signed_records, "VALID_KEPT", 3)
+    for round_number in range(6):
+        record = seal(VICTIM, RUN, _record(round=round_number), _ticket(VICTIM), expires)
+        assert validator.validate(_dht_record(VICTIM.peer_id, record, expires))
+    assert len(validator._valid) == 3
