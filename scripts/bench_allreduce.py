@@ -192,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
             for c, o in by_codec.items():
                 if "seconds" in o:
                     phase_rows.append([size, peers, c, o["plan_s"], o["parts_s"], o["reduced_s"], o["average_s"],
+                                       f"{fmt(o['audit_s'])} ({o['audit_s'] / o['seconds']:.0%})",
                                        o["round_s"] - o["seconds"], o["encode_cpu_s"], o["decode_cpu_s"],
                                        o["accumulate_cpu_s"], _cell(cpu := o["user_cpu_s"] + o["sys_cpu_s"],
                                                                     entry["gloo_cpu_s"]),
@@ -218,12 +219,14 @@ def run(args: argparse.Namespace) -> int:
     ))
     print(table(
         "allreduce: where our round's time goes (seconds since the release, slowest peer; CPU per peer)",
-        ["MiB", "peers", "codec", "plan+pipes", "parts sent", "own shard reduced", "average held", "certify",
+        ["MiB", "peers", "codec", "plan+pipes", "parts sent", "own shard reduced", "average held",
+         "audit (share)", "certify",
          "encode CPU", "decode CPU", "accumulate CPU", "process CPU (× gloo's)", "CPU floor s", "page faults"],
         phase_rows,
         ["plan+pipes: the first encode starts (claims in, plan out, every shard connection open); parts sent: the "
          "uplink's last part written; own shard reduced: the reduced shard's encode starts; average held: `apply` "
-         "called; certify: after that, until the last peer holds the certificate",
+         "called; audit: the longest any member's audit took (inside the time to average held; target ≤ 10%); "
+         "certify: after that, until the last peer holds the certificate",
          "CPU columns: seconds inside codec calls per peer (executor threads, one torch thread each); process CPU: "
          "user + system seconds of the whole peer process during `run_round` (hashing, checks, audit and the "
          "kernel's copies included), and its minor page faults, both the mean over peers; gloo's: the same for one "
