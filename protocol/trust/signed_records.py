@@ -68,10 +68,16 @@ def open_record(envelope: Any, *, run_id: str, subkey: str, gate: Gate, expirati
     if not (isinstance(ticket, str) and isinstance(sig, str) and isinstance(expires, (int, float))
             and math.isfinite(expires)):
         raise RecordError("envelope fields have the wrong types")
-    if expiration is not None and abs(float(expiration) - float(expires)) > 1e-3:
+    # The DHT drops a record at its stored expiry, which must be the signed one. A NaN expiry compares as neither
+    # earlier nor later than anything: hivemind would keep it forever and the difference below would pass, so a
+    # stranger could replay a departed peer's old record for good. Hence finite, and the signed expiry not past.
+    if expiration is not None and not (math.isfinite(expiration) and abs(float(expiration) - float(expires)) <= 1e-3):
         raise RecordError("stored expiry differs from the signed one")
-    if float(expires) > get_dht_time() + MAX_RECORD_TTL_S + EXPIRY_SKEW_S:
+    now = get_dht_time()
+    if float(expires) > now + MAX_RECORD_TTL_S + EXPIRY_SKEW_S:
         raise RecordError(f"expiry more than {MAX_RECORD_TTL_S:.0f}s ahead")
+    if float(expires) < now - EXPIRY_SKEW_S:
+        raise RecordError("the record expired")
     parsed = PeerRecord.parse(record)
     if parsed is None:
         raise RecordError("malformed record")
@@ -123,7 +129,9 @@ class RunValidator(RecordValidatorBase):
             return False
         if not isinstance(subkey, str) or len(subkey) > 128:
             return False
-        if record.expiration_time > get_dht_time() + MAX_RECORD_TTL_S + EXPIRY_SKEW_S:
+        # (NaN would pass every comparison below: refused first)
+        if not math.isfinite(record.expiration_time) or \
+                record.expiration_time > get_dht_time() + MAX_RECORD_TTL_S + EXPIRY_SKEW_S:
             return False
         if record.key == self._peers:
             try:

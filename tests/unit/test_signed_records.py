@@ -72,6 +72,28 @@ def test_record_overwrite_under_another_peers_subkey_is_refused() -> None:
     assert MAX_RECORD_TTL_S < 3600
 
 
+def test_a_departed_peers_record_replayed_with_a_nan_expiry_is_refused() -> None:
+    """The attack: read a peer's genuine record off the DHT and, once it has left, store it again with a NaN expiry.
+    NaN is neither before nor after any time, so a hivemind node keeps it for good (and its expiry heap stops
+    dropping what lies behind it), and "the stored expiry equals the signed one" used to pass. Every node refuses it
+    now, and so does every reader, who also refuses a genuine record whose signed expiry has passed however a node
+    kept it."""
+    expires = get_dht_time() + 20
+    envelope = seal(VICTIM, RUN, _record(), _ticket(VICTIM), expires)
+    validator = RunValidator(RUN, AUTHORITY.peer_id)
+    gate = Gate(RUN, AUTHORITY.peer_id)
+    assert validator.validate(_dht_record(VICTIM.peer_id, envelope, expires))  # the control: as its peer stored it
+    for bad in (float("nan"), float("inf")):
+        assert not validator.validate(_dht_record(VICTIM.peer_id, envelope, bad))
+        with pytest.raises(RecordError, match="stored expiry"):
+            open_record(envelope, run_id=RUN, subkey=VICTIM.peer_id, gate=gate, expiration=bad)
+    past = get_dht_time() - 600
+    stale = seal(VICTIM, RUN, _record(), _ticket(VICTIM), past)
+    for stored in (past, None):
+        with pytest.raises(RecordError, match="expired"):
+            open_record(stale, run_id=RUN, subkey=VICTIM.peer_id, gate=gate, expiration=stored)
+
+
 def test_records_without_a_valid_ticket_are_refused_unless_the_swarm_is_private() -> None:
     expires = get_dht_time() + 20
     stranger = seal(ATTACKER, RUN, _record(), "", expires)
