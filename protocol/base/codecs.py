@@ -102,11 +102,11 @@ class Codec:
         return out
 
     def decode_with_norm(self, data: Buffer, numel: int) -> tuple[torch.Tensor, float]:
-        """(decode(data, numel), its L2 norm as `l2_norm` gives it), in one pass over the values for fp32: the norm
-        doubles as the finiteness check (`finite_norm`)."""
+        """(decode(data, numel), its L2 norm as `l2_norm` gives it), or CodecError where the norm is not finite
+        (`finite_norm`); for fp32 the norm doubles as the finiteness check, in one pass over the values."""
         if self.name != "fp32" or numel == 0:
             out = self.decode(data, numel)
-            return out, l2_norm(out)
+            return out, finite_norm(out)
         view = self._checked(data, numel)
         if view.readonly:
             view = memoryview(bytearray(view))
@@ -189,12 +189,14 @@ def l2_norm(t: torch.Tensor) -> float:
 
 
 def finite_norm(t: torch.Tensor) -> float:
-    """l2_norm(t), or CodecError when t holds a NaN or ±Inf: one pass where a finiteness check and a norm took two.
-    A finite norm proves every value finite (NaN and ±Inf reach the sum of squares); only an infinite one, which
-    finite values beyond float32's squares also give, needs the values themselves looked at."""
+    """l2_norm(t), or CodecError unless it is finite: one pass where a finiteness check and a norm took two. A
+    finite norm proves every value finite (NaN and ±Inf reach the sum of squares). Finite values beyond ~1e19 give
+    an infinite norm too, and are refused as well: no Δ is that large, and an infinite norm in a reducer's signed
+    header would make every member refuse an honest reducer's shard as proof against it."""
     value = l2_norm(t)
-    if not math.isfinite(value) and not all_finite(t):
-        raise CodecError("NaN or Inf in tensor")
+    if not math.isfinite(value):
+        raise CodecError("NaN or Inf in tensor" if not all_finite(t) else
+                         "values so large that the norm overflows float32")
     return value
 
 

@@ -260,8 +260,8 @@ async def _exchange_parts(plan: Plan, k: int, own: torch.Tensor, pipes: Mapping[
         try:
             norms[me] = await loop.run_in_executor(None, finite_norm, own[mine])
             parts[me] = own[mine]
-        except CodecError:
-            problems[me] = f"malformed part of shard {k} (our own): NaN or Inf"
+        except CodecError as exc:
+            problems[me] = f"malformed part of shard {k} (our own): {exc}"
 
         async def heard(i: int) -> bool:  # whatever arrived (or failed): not a straggler
             await receive_part(i)

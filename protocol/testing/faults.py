@@ -5,7 +5,8 @@ the first time the phase is reached) runs with a `FaultInjector` as its hooks. P
     inner_step=kill            SIGKILL this peer's whole session (peer, DHT process, p2pd) during inner steps
     member_after_send=kill     die after sending the contribution, before the result arrives
     leader_before_commit=kill  die as leader after averaging, before anyone got the result
-    contribute=nan|wrong_numel|inflate|zero_tokens   send a malformed contribution (as a member)
+    contribute=nan|huge|wrong_numel|inflate|zero_tokens   send a malformed contribution (as a member); huge: every
+        value finite but 1e20, so that its float32 norm overflows
     contribute=negate1000|random1000   poison: Δ × −1000, or a random Δ 1000× as long, claiming 1000× the tokens
     contribute=freeride|freeride_noise  a free rider: a zero Δ, or a random Δ as long as the honest one, claiming
                                1000× the tokens
@@ -39,8 +40,9 @@ ENV = "SWARMLOCO_FAULTS"
 FREE_RIDES = ("freeride", "freeride_noise")
 PHASES = {"inner_step", "member_after_send", "leader_before_commit", "contribute", "reduce", "exchange",
           "serve_state", "serve_session", "lead"}
-ACTIONS = {"kill", "nan", "wrong_numel", "inflate", "zero_tokens", "corrupt", "negate1000", "random1000", "flip",
-           "noise1000", "equivocate", "withhold", "stall", "stall30", "hold", "busy", "freeride", "freeride_noise"}
+ACTIONS = {"kill", "nan", "huge", "wrong_numel", "inflate", "zero_tokens", "corrupt", "negate1000", "random1000",
+           "flip", "noise1000", "equivocate", "withhold", "stall", "stall30", "hold", "busy", "freeride",
+           "freeride_noise"}
 EVERY = -1  # the round of a fault armed for every round
 
 
@@ -116,6 +118,8 @@ class FaultInjector(Hooks):
         if action == "nan":
             delta = delta.clone()
             delta[len(delta) // 2] = float("nan")
+        elif action == "huge":
+            delta = torch.full_like(delta, 1e20)
         elif action == "wrong_numel":
             delta = delta[:-1].clone()
         elif action == "inflate":

@@ -59,6 +59,20 @@ def test_a_poisoned_contribution_weighs_nothing_under_the_robust_rule(net: FakeN
     assert torch.allclose(average, torch.full((NUMEL,), HONEST_MEAN)), average[:4]
 
 
+@pytest.mark.parametrize("aggregator", ["clip", "mean"])
+def test_a_contribution_whose_norm_overflows_drops_only_its_sender(net: FakeNetwork, aggregator: str) -> None:
+    """The attack: a Δ of finite values (1e20 each) whose float32 norm is infinite. It decodes, so a reducer took it
+    and signed its norm as inf; every member then refused that honest reducer's shard as proof against it, and
+    banned it. Now every reducer refuses the part like a NaN one: the round commits the honest mean, and nobody
+    but the attacker is left out."""
+    averagers, out = _with_attacker(net, "contribute=huge@*", aggregator=aggregator)
+    assert all(r.outcome == Outcome.COMMITTED for r, _ in out[:3]), [r.reason for r, _ in out]
+    assert torch.allclose(out[0][1].calls[0], torch.full((NUMEL,), HONEST_MEAN))
+    honest = {a.transport.peer_id for a in averagers[:3]}
+    for a in averagers[:3]:
+        assert a.steps is not None and not honest & set(a.steps.banned), a.steps.banned
+
+
 def test_the_plain_mean_lets_the_poison_through_the_control(net: FakeNetwork) -> None:
     _, out = _with_attacker(net, "contribute=negate1000@*", aggregator="mean")
     committed = [a.calls[0] for r, a in out if r.outcome == Outcome.COMMITTED]
