@@ -40,7 +40,7 @@ from swarmloco.protocol.base import swarmloco_wire_pb2 as pb
 from swarmloco.protocol.base.codecs import Codec, CodecError
 from swarmloco.protocol.base.text import bounded, short_id
 from swarmloco.protocol.base.wire import WireError, frame_bytes
-from swarmloco.protocol.round.credit import clip_scales, gradient_dot_matches
+from swarmloco.protocol.round.credit import clip_scales, gradient_combination_ok, gradient_dot_matches
 from swarmloco.protocol.round.groups import RoundAborted
 from swarmloco.protocol.round.pipes import Pipe
 from swarmloco.protocol.round.plans import Plan
@@ -173,6 +173,12 @@ async def audit(case: AuditCase, pipes: dict[str, Pipe], *, timeout: float) -> F
                               list(header.norms), case.rounding[j]):
             found.failed.add(j)
             found.convict(reducer, f"shard {j} is not the combination of the parts it signed")
+        elif grad is not None and not gradient_combination_ok(
+                result_sketches[j][q], list(header.coeffs), [theirs[p][j][q] for p in members], list(header.norms),
+                g_norm=grad.norms[j], rounding=case.rounding[j], size=plan.shard(j).stop - plan.shard(j).start):
+            # it vouched for every other contributor's <g_j, part>: its own is the one that does not add up
+            found.failed.add(j)
+            found.convict(reducer, f"shard {j}: its own part's <g, part> (its credit) does not fit its result")
     if grad is not None and not found.cheaters:
         found.scores = _scores(case, theirs, q)
     return found

@@ -82,6 +82,21 @@ def clip_scales(norms: Sequence[float], coeffs: Sequence[float], tau: float) -> 
     return [0.0 if c == 0 else tau / n if 0 < tau < n else 1.0 for n, c in zip(norms, coeffs, strict=True)]
 
 
+def gradient_combination_ok(result_dot: float, coeffs: Sequence[float], part_dots: Sequence[float],
+                            norms: Sequence[float], *, g_norm: float, rounding: float, size: int) -> bool:
+    """<g_j, shard_j> = Σ c_i <g_j, part_i> (the parts' values as their contributors signed them), within what honest
+    numbers can differ by. This is the check of the one value no member can check alone: the reducer's own
+    <g_j, part>, since it holds the only copy of its part. Each contributor's value comes from its own device's g,
+    within GRAD_RTOL·|g_j|·|part| of the reducer's (which checked it) and as much again of ours; the result's error
+    (the codec's rounding, the reducer's float32 sum, bounded as in `robust.combination_ok`) moves <g_j, ·> by at
+    most |g_j| times its norm. Twice the room of that sum is allowed, so an honest reducer never fails it."""
+    terms = sum(abs(c) * n for c, n in zip(coeffs, norms, strict=True))
+    error_norm = rounding + 1e-6 * (len(coeffs) + 8) * terms
+    tolerance = 2 * g_norm * (2 * GRAD_RTOL * terms + 1e-9 * math.sqrt(max(size, 1)) * terms + error_norm) + 1e-30
+    want = sum(c * d for c, d in zip(coeffs, part_dots, strict=True))
+    return math.isfinite(result_dot) and abs(result_dot - want) <= tolerance
+
+
 def gradient_dot_matches(claimed: float, ours: float, *, g_norm: float, part_norm: float, size: int) -> bool:
     """A member's <g_j, own part> against the reducer's, each with its own g: within GRAD_RTOL of |g_j|·|part|
     (two devices compute slightly different gradients), plus float64 summation order."""

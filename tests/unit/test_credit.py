@@ -10,6 +10,7 @@ from _fake_rounds import NUMEL, announce, by_rank, peers, round_from_heads, whol
 
 from swarmloco.protocol.base.outcome import Outcome
 from swarmloco.protocol.round import audit as audit_module
+from swarmloco.protocol.round import shard_reduce
 from swarmloco.protocol.round.config import RoundConfig
 from swarmloco.protocol.round.credit import CREDIT_BAND, clip_scales, credits, uncredited
 from swarmloco.protocol.round.rules import token_weights
@@ -160,8 +161,9 @@ def _lying_probe(seed: bytes) -> torch.Tensor:
 
 @pytest.fixture(params=["checked", "unchecked"])
 def sketch_check(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "unchecked":  # the control: a reducer that takes any gradient sketch on trust
+    if request.param == "unchecked":  # the control: reducers and members that take any gradient sketch on trust
         monkeypatch.setattr(audit_module, "gradient_dot_matches", lambda *a, **k: True)
+        monkeypatch.setattr(audit_module, "gradient_combination_ok", lambda *a, **k: True)
     return str(request.param)
 
 
@@ -183,3 +185,44 @@ def test_a_member_that_lies_about_its_score_is_convicted(net: FakeNetwork, sketc
         return
     assert all(r.outcome == Outcome.DISCARDED and bad in r.cheaters for r in honest), [r.reason for r in honest]
     assert all(bad in a.steps.banned for a in averagers[:3])
+
+
+@pytest.mark.parametrize("checked", [True, False])
+def test_a_reducer_that_lies_only_about_its_own_part_is_convicted(net: FakeNetwork, monkeypatch: pytest.MonkeyPatch,
+                                                                  checked: bool) -> None:
+    """The <g, part> of a reducer's own part of its own shard is checked by no reducer: it holds the only copy. A
+    free rider (a random Δ claiming 1000× the tokens) computes everything honestly, checks the others' values
+    honestly, and adds 1e6 to that one value. Every member checks each shard's values against the result it holds
+    (they are linear in the parts, like the probes): the liar is convicted. The control, without that check: it is
+    credited."""
+    averagers = _swarm(net, "contribute=freeride_noise@*")
+    bad = averagers[3].transport.peer_id
+    its_part: list[torch.Tensor] = []
+    real_audit, real_sketches = shard_reduce.audit, audit_module.sketches
+
+    async def noting_its_part(case, pipes, *, timeout):  # type: ignore[no-untyped-def]
+        if case.plan.members[case.k] == bad:
+            its_part.append(case.own[case.k])
+        return await real_audit(case, pipes, timeout=timeout)
+
+    def lying(seed, probes, shards, extras=None, **kw):  # type: ignore[no-untyped-def]
+        out = real_sketches(seed, probes, shards, extras, **kw)
+        for tensors, values in zip(shards, out, strict=True):
+            if len(tensors) == 2 and its_part and tensors[0] is its_part[-1]:  # its sketch of its own shard
+                values[0][probes] += 1e6
+        return out
+
+    monkeypatch.setattr(shard_reduce, "audit", noting_its_part)
+    monkeypatch.setattr(audit_module, "sketches", lying)
+    if not checked:
+        monkeypatch.setattr(audit_module, "gradient_combination_ok", lambda *a, **k: True)
+    results, _ = whole_round(averagers)
+    honest = results[:3]
+    assert its_part
+    if not checked:
+        committed = [r for r in honest if r.outcome == Outcome.COMMITTED]
+        assert committed and dict(zip(committed[0].certificate.statement.members,
+                                      committed[0].certificate.statement.credit, strict=True))[bad] > 0
+        return
+    assert all(r.outcome == Outcome.DISCARDED and bad in r.cheaters for r in honest), [r.reason for r in honest]
+    assert all("credit" in r.cheaters[bad] for r in honest), [r.cheaters for r in honest]
