@@ -116,10 +116,11 @@ class Matchmaker:
                 active = active_peers(records, round_number) | {me}
                 weights = self._weights()
                 enough = functools.partial(weights.enough, active=active)
-                views.see({p: r.eta for p, r in here.items() if r.ready}, me=me, lookback_s=self.cfg.round_timeout_s,
-                          enough=enough)
+                wall = self.clock.time()
+                views.see({p: r.eta for p, r in here.items() if r.ready}, me=me, now=wall,
+                          lookback_s=self.cfg.round_timeout_s, enough=enough)
                 decision = decide(me=me, views=views, here=here, seed=self.seed or state_hash,
-                                  schedule=self.schedule, now=self.clock.time(),
+                                  schedule=self.schedule, now=wall,
                                   eligible=self._eligible(here, weights), weight=weights.say,
                                   enough=enough)
                 self.transport.update_record(view=decision.view)

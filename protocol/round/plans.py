@@ -20,6 +20,9 @@ from swarmloco.protocol.base.text import bounded
 
 SHARD_ALIGN = 128  # shard boundaries fall on whole quantisation blocks, so a shard encodes like a whole vector
 BANDWIDTH_CLAMP = 4.0  # a member's share of the vector is within [1/4, 4] × the median share
+# A claimed bandwidth (bytes/s) above this is taken as this (80 Tbit/s, beyond any link): claims near float's
+# largest value would make the shares' sum overflow to inf and every share 0.
+MAX_BANDWIDTH = 1e13
 MAX_ADDRS = 8  # per endpoint
 MAX_FIELD_CHARS = 128  # an address or a token
 
@@ -121,13 +124,13 @@ def endpoint_ok(endpoint: Endpoint) -> bool:
 
 def bandwidth_shares(bandwidths: Sequence[float]) -> list[float]:
     """Each member's share of the vector, from its claimed bandwidth (0 or non-finite: unknown, taken as the
-    median), clamped to [1/4, 4] × the median and normalised to sum 1."""
-    known = sorted(b for b in bandwidths if b > 0 and b < float("inf"))
+    median; capped at MAX_BANDWIDTH), clamped to [1/4, 4] × the median and normalised to sum 1."""
+    capped = [min(b, MAX_BANDWIDTH) if b > 0 and b < float("inf") else 0.0 for b in bandwidths]
+    known = sorted(b for b in capped if b > 0)
     if not known:
         return [1.0 / len(bandwidths)] * len(bandwidths)
     median = known[len(known) // 2]
-    clamped = [min(max(b if 0 < b < float("inf") else median, median / BANDWIDTH_CLAMP), median * BANDWIDTH_CLAMP)
-               for b in bandwidths]
+    clamped = [min(max(b if b > 0 else median, median / BANDWIDTH_CLAMP), median * BANDWIDTH_CLAMP) for b in capped]
     total = sum(clamped)
     return [c / total for c in clamped]
 

@@ -54,6 +54,10 @@ from swarmloco.protocol.round.config import RoundConfig
 POLL_S = 0.25  # a leader re-reads the records this often while it waits for members (a join wakes it at once)
 DOUBLINGS = 3  # view lengths double this many times: base, 2×, 4×, then 8× for every later view
 MAX_TRACKED = 1024  # peers whose readiness time one peer remembers per state
+# A peer's word that it became ready is believed at most this far in our future (clock skew). Readiness further
+# ahead is no readiness yet: needed for a group, it would put the anchor, and with it every view's end, that far
+# ahead, and a member would wait for a view that never ends.
+READY_AHEAD_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -154,15 +158,16 @@ class Views:
             since[peer] = eta
         return since
 
-    def see(self, ready: Mapping[str, float], *, me: str, lookback_s: float,
+    def see(self, ready: Mapping[str, float], *, me: str, now: float, lookback_s: float,
             enough: Callable[[Collection[str]], bool] = lambda peers: True) -> None:
         """Move the anchor to when the ready peers (peer -> when it became ready; `me` is added at `ready_at`) were
         first `enough` for a group, where that is earlier: not the earliest readiness any one record states, which
         a lone record backdating its readiness would choose for everybody (and put every peer in the long views at
         once). Before enough peers were ready no group could close, so no view's time runs out (the anchor stays
-        infinite). Readiness earlier than `lookback_s` before ours is not believed."""
-        earliest = self.ready_at - lookback_s
-        believed = {p: eta for p, eta in ready.items() if eta >= earliest}
+        infinite). Readiness earlier than `lookback_s` before ours, or later than READY_AHEAD_S after `now`, is not
+        believed."""
+        earliest, latest = self.ready_at - lookback_s, now + READY_AHEAD_S
+        believed = {p: eta for p, eta in ready.items() if earliest <= eta <= latest}
         believed[me] = self.ready_at
         self.anchor = min(self.anchor, _gathered(believed, enough))
 
@@ -182,7 +187,9 @@ def decide(*, me: str, views: Views, here: Mapping[str, PeerRecord], seed: str, 
     of those peers' say in moving us on (default: one each). `enough`: whether a set of peers could close a group
     (default: any one peer could; `Weights.enough` among the active peers in a swarm).
     Updates `views.current` and the readiness times `views.etas`; the rest of `views` is read only."""
-    since = views.ready_since({p: r for p, r in here.items() if p != me})  # the ready peers other than us
+    # the ready peers other than us (a readiness stated for later than READY_AHEAD_S from now is none yet)
+    since = {p: eta for p, eta in views.ready_since({p: r for p, r in here.items() if p != me}).items()
+             if eta <= now + READY_AHEAD_S}
     view = max(schedule.at(now - views.anchor), views.floor, views.current)
     if _half_ahead(me, view, here, eligible([*since, me]), weight) and \
             now - views.anchor >= schedule.start(view) + schedule.length(view) / 2:

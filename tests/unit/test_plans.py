@@ -53,6 +53,17 @@ def test_bandwidth_sizes_shards_but_a_boast_is_clamped() -> None:
     assert bandwidth_shares([float("nan"), float("inf"), -5.0]) == pytest.approx([1 / 3] * 3)
 
 
+def test_claims_near_floats_largest_value_do_not_overflow_the_shares() -> None:
+    """The attack: in a group of two, the larger claim is the median, so its 4× clamp is no bound; two claims of
+    1.5e308 summed to inf and every share to 0, a plan of empty shards but the last (or a replan giving one
+    reducer the whole vector). Claims are capped first."""
+    for claims in ([1.5e308, 1.5e308], [1.5e308, 100.0], [1.7e308, 1.7e308, 1.7e308, 1.0]):
+        shares = bandwidth_shares(claims)
+        assert all(0 < s < 1 for s in shares) and sum(shares) == pytest.approx(1.0), (claims, shares)
+        bounds = shard_bounds(10_000, shares)
+        assert all(b - a > 0 for a, b in zip(bounds, bounds[1:], strict=False)), bounds
+
+
 def test_a_member_accepts_a_well_formed_plan() -> None:
     assert _problem(_plan()) == ""
 

@@ -73,7 +73,7 @@ def test_a_late_reader_adopts_the_earliest_readiness_and_agrees() -> None:
     now = T0 + 9.0
     me = PEERS[0]
     assert decide(me=me, views=late, here={}, seed=H1, schedule=SCHEDULE, now=now).view == 1
-    late.see({PEERS[1]: T0, PEERS[2]: T0 + 1.0}, me=me, lookback_s=60)
+    late.see({PEERS[1]: T0, PEERS[2]: T0 + 1.0}, me=me, now=now, lookback_s=60)
     assert late.anchor == T0
     here = _here(me)
     assert decide(me=me, views=late, here=here, seed=H1, schedule=SCHEDULE, now=now).view == \
@@ -91,23 +91,24 @@ def test_a_lone_backdated_readiness_does_not_move_every_peer_to_the_long_views()
         return len(peers) >= 2
 
     views = _views(anchor=float("inf"))
-    views.see({}, me=me, lookback_s=30.0, enough=two)
+    views.see({}, me=me, now=T0 + 60.0, lookback_s=30.0, enough=two)
     assert views.anchor == float("inf")  # alone: no group could close, no view's time runs
     alone = decide(me=me, views=views, here={}, seed=H1, schedule=SCHEDULE, now=T0 + 100.0, enough=two)
     assert (alone.view, alone.ends_at) == (0, T0 + 100.0 + SCHEDULE.length(0))
-    views.see({other: T0 + 3.0}, me=me, lookback_s=30.0, enough=two)
+    views.see({other: T0 + 3.0}, me=me, now=T0 + 60.0, lookback_s=30.0, enough=two)
     assert views.anchor == T0 + 3.0
-    views.see({liar: T0 - 20.0, other: T0 + 3.0}, me=me, lookback_s=30.0, enough=two)
+    views.see({liar: T0 - 20.0, other: T0 + 3.0}, me=me, now=T0 + 60.0, lookback_s=30.0, enough=two)
     assert views.anchor == T0
     here = {liar: rec(ready=True, eta=T0 - 20.0), other: rec(ready=True, eta=T0 + 3.0)}
     assert decide(me=me, views=views, here=here, seed=H1, schedule=SCHEDULE, now=T0 + 1.0, enough=two).view == 0
 
     single = _views()
-    single.see({liar: T0 - 86_400.0}, me=me, lookback_s=30.0)  # a stranger says it was ready a day ago: ignored
+    # a stranger says it was ready a day ago: ignored
+    single.see({liar: T0 - 86_400.0}, me=me, now=T0 + 60.0, lookback_s=30.0)
     assert single.anchor == T0
-    single.see({liar: T0 - 20.0}, me=me, lookback_s=30.0)
+    single.see({liar: T0 - 20.0}, me=me, now=T0 + 60.0, lookback_s=30.0)
     assert single.anchor == T0 - 20.0
-    single.see({liar: T0 + 50.0}, me=me, lookback_s=30.0)  # the anchor only moves earlier
+    single.see({liar: T0 + 50.0}, me=me, now=T0 + 60.0, lookback_s=30.0)  # the anchor only moves earlier
     assert single.anchor == T0 - 20.0
 
 
@@ -230,3 +231,27 @@ def test_a_peer_ready_before_the_others_could_form_a_group_is_one_candidate_amon
     etas.update({honest[1]: T0 + 3.5, honest[2]: T0 + 3.5})
     assert look(honest[0], now=T0 + 3.1, enough=enough).leader == view_leader(H1, 1, [staller, honest[0]])
     assert look(honest[0], enough=enough).leader == view_leader(H1, 1, PEERS)  # enough at T0 + 3.5: all four
+
+
+def test_a_readiness_stated_for_the_far_future_ends_no_view_late() -> None:
+    """The attack: sybils, needed for a group (three of four here), say they became ready a billion seconds from
+    now. Believed, the moment enough peers were ready, and with it every view's end, moved that far ahead: a member
+    waiting for its leader's group would wait for a view that never ends. Readiness more than READY_AHEAD_S ahead is
+    none yet: the honest peer alone is not enough, no view's time runs, and each look waits one view's length."""
+    me, *sybils = PEERS
+    now = T0 + 10.0
+
+    def three(peers: Collection[str]) -> bool:
+        return len(set(peers)) >= 3
+
+    views = _views(ready_at=T0, anchor=float("inf"))
+    ready = {p: now + 1e9 for p in sybils}
+    views.see(ready, me=me, now=now, lookback_s=30.0, enough=three)
+    assert views.anchor == float("inf")
+    here = {p: rec(ready=True, eta=eta) for p, eta in ready.items()}
+    decision = decide(me=me, views=views, here=here, seed=H1, schedule=SCHEDULE, now=now, enough=three)
+    assert decision.ends_at <= now + SCHEDULE.length(0), decision
+    assert decision.leader == me  # the only peer ready yet
+    near = {p: now + 5.0 for p in sybils}  # within the clock skew allowed: believed
+    views.see(near, me=me, now=now, lookback_s=30.0, enough=three)
+    assert views.anchor == now + 5.0
