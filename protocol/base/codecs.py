@@ -90,10 +90,8 @@ class Codec:
         view = self._checked(data, numel)
         if numel == 0:
             return torch.zeros(0)
-        if self.name == "fp32":  # no conversion: wrap the bytes (copied once if read-only) after the check
-            if view.readonly:
-                view = memoryview(bytearray(view))
-            t = torch.frombuffer(view, dtype=torch.float32, count=numel)
+        if self.name == "fp32":  # no conversion: wrap the bytes after the check
+            t = _wrapped(view, numel)
             if not all_finite(t):
                 raise CodecError("fp32: NaN or Inf in tensor")
             return t
@@ -107,10 +105,7 @@ class Codec:
         if self.name != "fp32" or numel == 0:
             out = self.decode(data, numel)
             return out, finite_norm(out)
-        view = self._checked(data, numel)
-        if view.readonly:
-            view = memoryview(bytearray(view))
-        t = torch.frombuffer(view, dtype=torch.float32, count=numel)
+        t = _wrapped(self._checked(data, numel), numel)
         return t, finite_norm(t)
 
     def decode_into(self, data: Buffer, numel: int, out: torch.Tensor) -> None:
@@ -164,6 +159,14 @@ class Codec:
                     out[i:i + chunk.numel()].add_(wide.copy_(chunk), alpha=weight)
             return
         _dequantise(view, numel, out, weight, self.name)
+
+
+def _wrapped(view: memoryview, numel: int) -> torch.Tensor:
+    """The fp32 values of `view` as a tensor sharing its memory (copied once if read-only: torch.frombuffer wants a
+    writable buffer), unchecked."""
+    if view.readonly:
+        view = memoryview(bytearray(view))
+    return torch.frombuffer(view, dtype=torch.float32, count=numel)
 
 
 def _check_out(out: torch.Tensor, numel: int) -> None:

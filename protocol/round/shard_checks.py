@@ -81,16 +81,15 @@ def checked_part(plan: Plan, k: int, peer: str, header: pb.ShardPart, body: byte
     return codec.decode_with_norm(body, size)
 
 
-def reduce_shard(plan: Plan, members: tuple[str, ...], parts: Mapping[str, torch.Tensor], rule: Rule, *,
-                 norms: Mapping[str, float] | None = None, out: torch.Tensor | None = None) -> ReducedShard:
-    """Our shard aggregated over the settled contributors `members` (each one's part is in `parts`; its norm in
-    `norms` where the caller has it already), into `out` when given."""
+def reduce_shard(plan: Plan, members: tuple[str, ...], parts: Mapping[str, torch.Tensor], norms: Mapping[str, float],
+                 rule: Rule, *, out: torch.Tensor | None = None) -> ReducedShard:
+    """Our shard aggregated over the settled contributors `members` (each one's part in `parts`, its norm, found
+    when the part was checked, in `norms`), into `out` when given."""
     weight = dict(zip(plan.members, plan.weights, strict=True))
-    ordered = [parts[p] for p in members]
-    known = norms or {}
-    part_norms = [known[p] if p in known else norm(x) for p, x in zip(members, ordered, strict=True)]
+    part_norms = [norms[p] for p in members]
     coeffs, tau = coefficients(part_norms, [weight[p] for p in members], rule)
-    return ReducedShard(aggregate(ordered, coeffs, out=out), tuple(part_norms), tuple(coeffs), tau)
+    return ReducedShard(aggregate([parts[p] for p in members], coeffs, out=out), tuple(part_norms), tuple(coeffs),
+                        tau)
 
 
 def own_as_decoded(plan: Plan, k: int, own: torch.Tensor, codec: Codec,

@@ -126,8 +126,8 @@ async def reduce_shards(plan: Plan, delta: torch.Tensor, *, me: str, codec: Code
                                         after_parts=after_parts if attempt == 0 else lambda: None, signing=signing)
             members = await settle(current, sorted(got.parts), dict(got.problems))
             own_decoded = await loop.run_in_executor(None, own_as_decoded, current, k, own, codec, got.encoded)
-            results = await exchange_results(current, k, passing, members, got.parts, own_decoded, codec=codec,
-                                             timeout=timeouts.transfer, signing=signing, norms=got.norms)
+            results = await exchange_results(current, k, passing, members, got.parts, got.norms, own_decoded,
+                                             codec=codec, timeout=timeouts.transfer, signing=signing)
             sent, received = sent + got.sent + results.sent, received + got.received + results.received
             failed.update(results.lost)
             cheaters.update(results.cheaters)

@@ -71,19 +71,20 @@ class Results:
 
 
 async def exchange_results(plan: Plan, k: int, pipes: Mapping[str, Pipe], members: tuple[str, ...],
-                            parts: Mapping[str, torch.Tensor], own: tuple[torch.Tensor, ...], *, codec: Codec,
-                            timeout: float, signing: Signing, norms: Mapping[str, float] | None = None) -> Results:
-    """Reduce our shard over the settled `members` (`norms`: those of their `parts` the caller already has), send it
-    to everyone and place everyone's (checked) in the average. A shard that does not come, or is refused, is
-    returned in `Results.lost` (with the proof, when its signed header convicts its reducer): the caller settles with
-    the leader what becomes of the round."""
+                            parts: Mapping[str, torch.Tensor], norms: Mapping[str, float],
+                            own: tuple[torch.Tensor, ...], *, codec: Codec, timeout: float,
+                            signing: Signing) -> Results:
+    """Reduce our shard over the settled `members` (their `parts`, and the `norms` found when each was checked),
+    send it to everyone and place everyone's (checked) in the average. A shard that does not come, or is refused,
+    is returned in `Results.lost` (with the proof, when its signed header convicts its reducer): the caller settles
+    with the leader what becomes of the round."""
     loop = asyncio.get_running_loop()
     mine = plan.shard(k)
     me = plan.members[k]
     average = large_empty(plan.numel)
     # A lossless shard is sent as it is: reduce it straight into its place in the average
     shard = await loop.run_in_executor(None, functools.partial(
-        reduce_shard, plan, members, parts, signing.rule, norms=norms, out=average[mine] if codec.lossless else None))
+        reduce_shard, plan, members, parts, norms, signing.rule, out=average[mine] if codec.lossless else None))
     reduced = signing.hooks.reduced_shard(plan.round, k, shard.tensor)  # a test harness playing a cheating reducer
     sent = received = 0
 
